@@ -1,0 +1,65 @@
+"""Paged attention over a packed, unpadded batch, plugged into Hugging Face model definitions.
+
+The model runs with batch size 1 and every scheduled token side by side. Each attention layer
+writes the new keys and values into the paged cache, then attends over each request's context,
+read through its block table. One-token queries (decodes) are attended together in one padded
+call; prompt chunks one request at a time.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import AttentionInterface
+
+ATTN_IMPLEMENTATION = "tritone_paged"
+
+
+@dataclass(slots=True)
+class AttentionMetadata:
+    """Shared by every layer of one forward pass; built once per step by the model runner."""
+
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_slots, kv_heads, head_dim]
+    slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V goes
+    num_decodes: int  # the first num_decodes tokens are one-token queries
+    decode_slots: torch.Tensor | None  # [num_decodes, max_context]: context slots, padded
+    decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context]: True where real
+    # Prefill chunks: (first query token, number of query tokens, context slots [context_len]).
+    prefills: list[tuple[int, int, torch.Tensor]]
+
+
+def paged_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                    tritone_metadata: AttentionMetadata = None, **kwargs):
+    meta = tritone_metadata
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    # query: [1, heads, T, D]; key/value: [1, kv_heads, T, D]
+    k_cache[meta.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)
+    v_cache[meta.slot_mapping] = value[0].transpose(0, 1).to(v_cache.dtype)
+    q = query[0]  # [heads, T, D]
+    num_tokens = q.shape[1]
+    out = q.new_empty(num_tokens, q.shape[0], q.shape[2])
+    nd = meta.num_decodes
+    if nd:
+        k = k_cache[meta.decode_slots].transpose(1, 2)  # [nd, kv_heads, ctx, D]
+        v = v_cache[meta.decode_slots].transpose(1, 2)
+        qd = q[:, :nd].transpose(0, 1).unsqueeze(2)  # [nd, heads, 1, D]
+        o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
+        out[:nd] = o.squeeze(2)
+    for start, length, slots in meta.prefills:
+        k = k_cache[slots].transpose(0, 1)  # [kv_heads, ctx, D]
+        v = v_cache[slots].transpose(0, 1)
+        qp = q[:, start:start + length]
+        ctx = slots.shape[0]
+        if ctx == length:
+            o = F.scaled_dot_product_attention(qp, k, v, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            # Queries are the last `length` positions of the context (prefix hit or later chunk).
+            mask = torch.ones(length, ctx, dtype=torch.bool, device=q.device).tril(ctx - length)
+            o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
+        out[start:start + length] = o.transpose(0, 1)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

@@ -1,0 +1,96 @@
+"""The engine's one configuration object, validated at construction and passed whole."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _cpu_has_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return "amx_bf16" in flags or "avx512_bf16" in flags
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    """`auto` picks bf16 wherever the hardware runs it natively, fp32 elsewhere."""
+    if dtype != "auto":
+        return _DTYPES[dtype]
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if _cpu_has_bf16() else torch.float32
+
+
+@dataclass(slots=True)
+class EngineConfig:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 256
+    # Tokens computed per step (decodes plus prefill chunks): bounds the step's latency.
+    max_num_batched_tokens: int = 512
+    # 0 means the model's own limit (max_position_embeddings).
+    max_model_len: int = 0
+    block_size: int = 16
+    # The KV cache is sized once at start: a byte budget (CPU and GPU), or, when 0, a
+    # fraction of free device memory (GPU) or of available RAM (CPU).
+    kv_cache_bytes: int = 0
+    kv_cache_fraction: float = 0.25
+    enable_prefix_caching: bool = True
+    seed: int = 0
+    # Waiting requests beyond this are refused with a "server busy" error (0: no limit).
+    max_queue_len: int = 0
+
+    def __post_init__(self):
+        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
+            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("max_model_len", "kv_cache_bytes", "max_queue_len", "seed"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0.0 < self.kv_cache_fraction <= 1.0:
+            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+
+    @classmethod
+    def from_parameters(cls, model: str, params: dict[str, str]) -> "EngineConfig":
+        """Builds a config from string parameters (Triton model config), ignoring unset ones.
+
+        An unfilled `${template}` or an empty string counts as unset, so the dataclass default holds.
+        """
+        kwargs = {}
+        for field in dataclasses.fields(cls):
+            raw = params.get(field.name)
+            if field.name == "model" or raw is None or raw == "" or raw.startswith("${"):
+                continue
+            kwargs[field.name] = _parse(raw, field.type)
+        return cls(model=model, **kwargs)
+
+
+def _parse(raw: str, type_name: str):
+    if type_name == "bool":
+        lowered = raw.strip().lower()
+        if lowered not in ("true", "false", "1", "0", "yes", "no"):
+            raise ValueError(f"expected a boolean, got {raw!r}")
+        return lowered in ("true", "1", "yes")
+    if type_name == "int":
+        return int(raw)
+    if type_name == "float":
+        return float(raw)
+    return raw

@@ -1,0 +1,303 @@
+"""The engine: schedule, run the model, sample, update; and the thread that drives it."""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+from transformers import GenerationConfig
+
+from tritone.block_manager import BlockManager
+from tritone.config import EngineConfig
+from tritone.model_runner import ModelRunner
+from tritone.request import FinishReason, Request, RequestOutput, SamplingParams
+from tritone.sampler import Sampler
+from tritone.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_steps: int = 0
+    forward_seconds: float = 0.0
+    step_seconds: float = 0.0
+    num_prompt_tokens: int = 0
+    num_generation_tokens: int = 0
+
+
+def model_end_ids(model_dir: str, hf_config) -> frozenset[int]:
+    ids = []
+    try:
+        ids.append(GenerationConfig.from_pretrained(model_dir).eos_token_id)
+    except OSError:
+        pass
+    ids.append(hf_config.get_text_config().eos_token_id)
+    flat = set()
+    for item in ids:
+        if isinstance(item, int):
+            flat.add(item)
+        elif item:
+            flat.update(item)
+    return frozenset(flat)
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.block_manager, self.runner.max_model_len)
+        self.sampler = Sampler()
+        self.default_end_ids = model_end_ids(config.model, self.runner.hf_config)
+        self.requests: dict[str, Request] = {}
+        self.stats = EngineStats()
+        self._seed_rng = torch.Generator().manual_seed(config.seed)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.runner.vocab_size
+
+    @property
+    def max_model_len(self) -> int:
+        return self.runner.max_model_len
+
+    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Raises ValueError naming the field when the request can never be served."""
+        params.validate(self.vocab_size)
+        if not prompt_ids:
+            raise ValueError("input_ids is empty: the prompt must have at least one token")
+        if any(not 0 <= t < self.vocab_size for t in prompt_ids):
+            raise ValueError(f"input_ids holds ids outside the vocabulary [0, {self.vocab_size})")
+        total = len(prompt_ids) + params.max_tokens
+        if total > self.max_model_len:
+            raise ValueError(f"prompt ({len(prompt_ids)} tokens) plus max_tokens ({params.max_tokens}) "
+                             f"exceeds the model's limit of {self.max_model_len} tokens")
+        if self.block_manager.num_blocks_for(total) > self.block_manager.num_blocks:
+            raise ValueError(f"prompt plus max_tokens ({total} tokens) exceeds the KV cache "
+                             f"({self.block_manager.num_blocks * self.config.block_size} tokens)")
+        if self.config.max_queue_len and len(self.scheduler.waiting) >= self.config.max_queue_len:
+            raise RuntimeError("server busy: the request queue is full, retry later")
+
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
+        self.validate(prompt_ids, params)
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in flight")
+        seed = params.seed
+        if seed is None:
+            seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
+        generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        if params.end_id == -1:
+            end_ids = frozenset()
+        elif params.end_id is not None:
+            end_ids = frozenset([params.end_id])
+        else:
+            end_ids = self.default_end_ids
+        request = Request(request_id, list(prompt_ids), params, arrival_time=time.monotonic(),
+                          generator=generator, end_ids=end_ids)
+        self.requests[request_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> RequestOutput | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        self.scheduler.finish(request, reason)
+        return self._output(request, [], [])
+
+    def has_unfinished_requests(self) -> bool:
+        return self.scheduler.has_work
+
+    def step(self) -> list[RequestOutput]:
+        t0 = time.perf_counter()
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        f0 = time.perf_counter()
+        logits = self.runner.run(batch, self.block_manager)
+        f1 = time.perf_counter()
+        sample_rows, sample_requests = [], []
+        for i, item in enumerate(batch.scheduled):
+            item.request.num_computed_tokens += item.num_tokens
+            if item.request.num_computed_tokens == item.request.num_tokens:
+                sample_rows.append(i)
+                sample_requests.append(item.request)
+            self.stats.num_prompt_tokens += max(0, min(item.request.num_computed_tokens, item.request.num_prompt_tokens)
+                                                - (item.request.num_computed_tokens - item.num_tokens))
+        outputs = []
+        if sample_requests:
+            token_ids, log_probs = self.sampler(logits[sample_rows], sample_requests)
+            outputs = self._update(sample_requests, token_ids, log_probs)
+        self.stats.num_steps += 1
+        self.stats.forward_seconds += f1 - f0
+        self.stats.step_seconds += time.perf_counter() - t0
+        return outputs
+
+    def _update(self, requests: list[Request], token_ids: list[int], log_probs: list[float]) -> list[RequestOutput]:
+        """The one loop over a step's sampled tokens: append, check stop conditions, finish."""
+        outputs = []
+        now = time.monotonic()
+        for request, token_id, log_prob in zip(requests, token_ids, log_probs):
+            request.output_ids.append(token_id)
+            request.output_log_probs.append(log_prob)
+            if request.first_token_time is None:
+                request.first_token_time = now
+            self.stats.num_generation_tokens += 1
+            new_ids, new_lps = [token_id], [log_prob]
+            reason = self._stop_reason(request)
+            if reason is not None:
+                if reason == FinishReason.STOP:
+                    new_ids, new_lps = self._strip_stop(request, new_ids, new_lps)
+                self.scheduler.finish(request, reason)
+                del self.requests[request.request_id]
+            outputs.append(self._output(request, new_ids, new_lps))
+        return outputs
+
+    def _stop_reason(self, request: Request) -> FinishReason | None:
+        output = request.output_ids
+        if len(output) >= request.params.min_tokens:
+            if output[-1] in request.end_ids:
+                return FinishReason.STOP
+            for seq in request.params.stop_token_ids:
+                if output[-len(seq):] == seq:
+                    return FinishReason.STOP
+        if len(output) >= request.params.max_tokens:
+            return FinishReason.LENGTH
+        return None
+
+    def _strip_stop(self, request: Request, new_ids, new_lps):
+        """The end id or stop sequence that ended the request is not part of its output."""
+        output = request.output_ids
+        if output[-1] in request.end_ids:
+            cut = 1
+        else:
+            cut = max(len(s) for s in request.params.stop_token_ids if output[-len(s):] == s)
+        # Earlier tokens of a multi-token stop sequence were already sent; they are withdrawn
+        # from the totals but cannot be unsent (text-level stop words live in postprocessing).
+        del output[-cut:]
+        del request.output_log_probs[-cut:]
+        return [], []
+
+    def _output(self, request: Request, new_ids: list[int], new_lps: list[float]) -> RequestOutput:
+        return RequestOutput(
+            request_id=request.request_id,
+            new_token_ids=new_ids,
+            new_log_probs=new_lps,
+            num_prompt_tokens=request.num_prompt_tokens,
+            num_output_tokens=request.num_output_tokens,
+            finished=request.is_finished,
+            finish_reason=request.finish_reason,
+        )
+
+
+@dataclass(slots=True)
+class _Submit:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(slots=True)
+class _Abort:
+    request_id: str
+    reason: FinishReason = FinishReason.CANCELLED
+
+
+@dataclass
+class AsyncEngine:
+    """Runs an LLMEngine in its own thread: callers submit and abort from any thread, and
+    outputs go to `on_output` from a separate sender thread, so sending never holds up a step."""
+
+    engine: LLMEngine
+    on_output: Callable[[RequestOutput], None]
+    _inbox: "queue.Queue" = field(default_factory=queue.Queue)
+    _outbox: "queue.Queue" = field(default_factory=queue.Queue)
+    _stopping: threading.Event = field(default_factory=threading.Event)
+
+    def start(self) -> None:
+        self._engine_thread = threading.Thread(target=self._engine_loop, name="tritone-engine", daemon=True)
+        self._sender_thread = threading.Thread(target=self._sender_loop, name="tritone-sender", daemon=True)
+        self._engine_thread.start()
+        self._sender_thread.start()
+
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Validates at once (raising ValueError naming the field) and enqueues."""
+        self.engine.validate(prompt_ids, params)
+        self._inbox.put(_Submit(request_id, prompt_ids, params))
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
+        self._inbox.put(_Abort(request_id, reason))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Lets in-flight requests finish for up to `timeout` seconds, then cancels the rest."""
+        deadline = time.monotonic() + timeout
+        while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self._stopping.set()
+        self._inbox.put(None)
+        self._engine_thread.join()
+        self._outbox.put(None)
+        self._sender_thread.join()
+
+    def _engine_loop(self) -> None:
+        while True:
+            block = not self.engine.has_unfinished_requests()
+            if not self._drain_inbox(block):
+                break
+            try:
+                outputs = self.engine.step()
+            except Exception as exc:  # a failed step fails its requests, not the server
+                logger.exception("engine step failed")
+                outputs = self._fail_all(f"engine error: {exc}")
+            if outputs:
+                self._outbox.put(outputs)
+        for request_id in list(self.engine.requests):
+            self._outbox.put([self.engine.abort_request(request_id)])
+
+    def _drain_inbox(self, block: bool) -> bool:
+        try:
+            item = self._inbox.get(block=block)
+            while True:
+                if item is None:
+                    return False
+                self._apply(item)
+                item = self._inbox.get_nowait()
+        except queue.Empty:
+            return True
+
+    def _apply(self, item) -> None:
+        if isinstance(item, _Abort):
+            output = self.engine.abort_request(item.request_id, item.reason)
+            if output is not None:
+                self._outbox.put([output])
+            return
+        try:
+            self.engine.add_request(item.request_id, item.prompt_ids, item.params)
+        except (ValueError, RuntimeError) as exc:
+            self._outbox.put([RequestOutput(item.request_id, [], [], len(item.prompt_ids), 0, True,
+                                            FinishReason.ERROR, error=str(exc))])
+
+    def _fail_all(self, message: str) -> list[RequestOutput]:
+        outputs = []
+        for request_id in list(self.engine.requests):
+            output = self.engine.abort_request(request_id, FinishReason.ERROR)
+            output.error = message
+            outputs.append(output)
+        return outputs
+
+    def _sender_loop(self) -> None:
+        while True:
+            outputs = self._outbox.get()
+            if outputs is None:
+                return
+            for output in outputs:
+                try:
+                    self.on_output(output)
+                except Exception:
+                    logger.exception("sending output of request %s failed", output.request_id)

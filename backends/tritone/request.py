@@ -1,0 +1,139 @@
+"""What the engine knows about one request: its parameters, its tokens and its progress."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class FinishReason(str, enum.Enum):
+    LENGTH = "length"
+    STOP = "stop"
+    CANCELLED = "cancelled"
+    ERROR = "error"
+
+
+class RequestStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    FINISHED = enum.auto()
+
+
+@dataclass(slots=True)
+class SamplingParams:
+    max_tokens: int = 16
+    # 0 means greedy; so does top_k == 1.
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    min_tokens: int = 0
+    # None: stop on the model's end-of-sequence ids; -1: never stop on one (benchmarks).
+    end_id: int | None = None
+    seed: int | None = None
+    stop_token_ids: list[list[int]] = field(default_factory=list)
+    bad_token_ids: list[list[int]] = field(default_factory=list)
+    return_log_probs: bool = False
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature == 0.0 or self.top_k == 1
+
+    def validate(self, vocab_size: int) -> None:
+        """Raises ValueError naming the offending field."""
+        if self.max_tokens <= 0:
+            raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p <= 1.0:
+            raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
+        if self.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.end_id is not None and self.end_id != -1 and not 0 <= self.end_id < vocab_size:
+            raise ValueError(f"end_id must be -1 or in [0, {vocab_size}), got {self.end_id}")
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("stop_token_ids", "bad_token_ids"):
+            for seq in getattr(self, name):
+                if not seq or any(not 0 <= t < vocab_size for t in seq):
+                    raise ValueError(f"{name} holds an empty or out-of-vocabulary sequence")
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    request_id: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    arrival_time: float = 0.0
+    output_ids: list[int] = field(default_factory=list)
+    output_log_probs: list[float] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    # Tokens whose KV is in the cache; it catches up with num_tokens (prefill, chunks, decode).
+    num_computed_tokens: int = 0
+    # Tokens whose KV came from the prefix cache at the last admission.
+    num_cached_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Chained hashes of this request's full blocks, in order; extended as tokens arrive.
+    block_hashes: list[int] = field(default_factory=list)
+    num_preemptions: int = 0
+    generator: torch.Generator | None = None
+    end_ids: frozenset[int] = frozenset()
+    first_token_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == RequestStatus.FINISHED
+
+    def token_at(self, index: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
+
+    def tokens_slice(self, start: int, end: int) -> list[int]:
+        n = len(self.prompt_ids)
+        if end <= n:
+            return self.prompt_ids[start:end]
+        if start >= n:
+            return self.output_ids[start - n:end - n]
+        return self.prompt_ids[start:] + self.output_ids[:end - n]
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request: the engine's only output type."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_log_probs: list[float]
+    num_prompt_tokens: int
+    num_output_tokens: int
+    finished: bool
+    finish_reason: FinishReason | None = None
+    error: str | None = None

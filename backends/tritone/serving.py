@@ -1,0 +1,252 @@
+"""Between Triton tensors and the engine's types, without importing Triton.
+
+The model adapters hand in a getter `get(name) -> np.ndarray | None` for the request's inputs
+and send the dicts of arrays returned here, so all parsing and validation is tested here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from tritone.request import FinishReason, RequestOutput, SamplingParams
+from tritone.text import context_window, from_word_list_tensor
+
+Getter = Callable[[str], "np.ndarray | None"]
+
+
+def scalar(get: Getter, name: str, default=None):
+    """The single value of an optional input, or `default` when the request leaves it out."""
+    array = get(name)
+    if array is None:
+        return default
+    if array.size != 1:
+        raise ValueError(f"{name.lower()} must hold exactly one value, got shape {list(array.shape)}")
+    value = array.reshape(-1)[0]
+    if isinstance(value, (bytes, np.bytes_)):
+        return value.decode("utf-8")
+    return value.item() if hasattr(value, "item") else value
+
+
+def text_list(get: Getter, name: str) -> list[str]:
+    """An optional list of strings (stop words, bad words), UTF-8 checked."""
+    array = get(name)
+    if array is None:
+        return []
+    words = []
+    for item in array.reshape(-1).tolist():
+        try:
+            word = item.decode("utf-8") if isinstance(item, bytes) else str(item)
+        except UnicodeDecodeError:
+            raise ValueError(f"{name.lower()} holds bytes that are not valid UTF-8") from None
+        if word == "":
+            raise ValueError(f"{name.lower()} holds an empty string")
+        words.append(word)
+    return words
+
+
+def decode_text(raw, name: str = "text_input") -> str:
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, np.bytes_)) else str(raw)
+    except UnicodeDecodeError:
+        raise ValueError(f"{name} is not valid UTF-8") from None
+    if not text:
+        raise ValueError(f"{name} is empty")
+    return text
+
+
+@dataclass(slots=True)
+class LLMRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    exclude_input_in_output: bool
+    skip_special_tokens: bool
+
+
+def parse_llm_request(get: Getter) -> LLMRequest:
+    """Reads the `llm` model's inputs; raises ValueError naming the field."""
+    input_ids = get("INPUT_IDS")
+    if input_ids is None:
+        raise ValueError("input_ids is missing")
+    max_tokens = scalar(get, "MAX_TOKENS")
+    if max_tokens is None:
+        raise ValueError("max_tokens is missing")
+    temperature = scalar(get, "TEMPERATURE")
+    top_k = scalar(get, "TOP_K", 0)
+    top_p = scalar(get, "TOP_P", 1.0)
+    if temperature is None:
+        # As in TensorRT-LLM: a request that sets no sampling input is decoded greedily.
+        temperature = 1.0 if get("TOP_K") is not None or get("TOP_P") is not None else 0.0
+    seed = scalar(get, "SEED", scalar(get, "RANDOM_SEED"))
+    params = SamplingParams(
+        max_tokens=int(max_tokens),
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        min_p=float(scalar(get, "MIN_P", 0.0)),
+        repetition_penalty=float(scalar(get, "REPETITION_PENALTY", 1.0)),
+        presence_penalty=float(scalar(get, "PRESENCE_PENALTY", 0.0)),
+        frequency_penalty=float(scalar(get, "FREQUENCY_PENALTY", 0.0)),
+        min_tokens=int(scalar(get, "MIN_TOKENS", scalar(get, "MIN_LENGTH", 0))),
+        end_id=None if get("END_ID") is None else int(scalar(get, "END_ID")),
+        seed=None if seed is None else int(seed),
+        stop_token_ids=_word_ids(get, "STOP_WORDS_IDS"),
+        bad_token_ids=_word_ids(get, "BAD_WORDS_IDS"),
+        return_log_probs=bool(scalar(get, "RETURN_LOG_PROBS", False)),
+    )
+    return LLMRequest(
+        prompt_ids=input_ids.reshape(-1).tolist(),
+        params=params,
+        stream=bool(scalar(get, "STREAM", False)),
+        exclude_input_in_output=bool(scalar(get, "EXCLUDE_INPUT_IN_OUTPUT", True)),
+        skip_special_tokens=bool(scalar(get, "SKIP_SPECIAL_TOKENS", True)),
+    )
+
+
+def _word_ids(get: Getter, name: str) -> list[list[int]]:
+    array = get(name)
+    return [] if array is None else from_word_list_tensor(array)
+
+
+@dataclass(slots=True)
+class ResponseStream:
+    """One request's output side in the `llm` model: turns engine outputs into responses."""
+
+    request: LLMRequest
+    # Ids the client sees: the prompt first when it asked for it, then the generated ids.
+    ids: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    num_pending: int = 0
+
+    def __post_init__(self):
+        if not self.request.exclude_input_in_output:
+            self.ids.extend(self.request.prompt_ids)
+            self.num_pending = len(self.ids)
+
+    def on_output(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
+        """The response tensors for this output, or None while a non-streamed request runs."""
+        self.ids.extend(output.new_token_ids)
+        self.log_probs.extend(output.new_log_probs)
+        self.num_pending += len(output.new_token_ids)
+        if not self.request.stream and not output.finished:
+            return None
+        num_new = self.num_pending
+        self.num_pending = 0
+        reason = output.finish_reason.value if output.finish_reason else ""
+        return {
+            "TOKEN_IDS": np.array(self.ids[len(self.ids) - num_new:], dtype=np.int32),
+            "CONTEXT_IDS": np.array(context_window(self.ids, num_new), dtype=np.int32),
+            "IS_FINAL": np.array([output.finished]),
+            "SKIP_SPECIAL_TOKENS": np.array([self.request.skip_special_tokens]),
+            "NUM_INPUT_TOKENS": np.array([output.num_prompt_tokens], dtype=np.int32),
+            "NUM_OUTPUT_TOKENS": np.array([output.num_output_tokens], dtype=np.int32),
+            "CUM_LOG_PROBS": np.array([sum(self.log_probs)], dtype=np.float32),
+            "OUTPUT_LOG_PROBS": np.array(self.log_probs[len(self.log_probs) - len(output.new_log_probs):]
+                                         if self.request.stream else self.log_probs, dtype=np.float32),
+            "FINISH_REASON": np.array([reason.encode()], dtype=np.object_),
+        }
+
+
+def error_message(output: RequestOutput) -> str | None:
+    if output.finish_reason == FinishReason.ERROR:
+        return output.error or "request failed"
+    return None
+
+
+def model_parameters(model_config: dict) -> dict[str, str]:
+    """A Triton model config's `parameters` as plain strings."""
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def is_set(value: str | None) -> bool:
+    """An unfilled `${template}` or empty parameter counts as unset."""
+    return bool(value) and not value.startswith("${")
+
+
+class Preprocessor:
+    """The `preprocessing` model's work for a batch of requests: one tokenizer call for all."""
+
+    def __init__(self, params: dict[str, str]):
+        from tritone.text import PromptEncoder
+
+        chat = params.get("chat_template")
+        self.encoder = PromptEncoder(params["model_dir"], chat if is_set(chat) else "auto")
+        limit = params.get("max_input_len")
+        model_limit = params.get("max_model_len")
+        self.max_input_len = int(limit) if is_set(limit) and int(limit) > 0 else (
+            int(model_limit) if is_set(model_limit) and int(model_limit) > 0 else 0)
+
+    def __call__(self, getters: list[Getter]) -> list["dict[str, np.ndarray] | ValueError"]:
+        from tritone.text import to_word_list_tensor
+
+        results: list = [None] * len(getters)
+        texts, flags, index = [], [], []
+        for i, get in enumerate(getters):
+            try:
+                raw = get("TEXT_INPUT")
+                if raw is None:
+                    raise ValueError("text_input is missing")
+                texts.append(decode_text(raw.reshape(-1)[0]))
+                flag = scalar(get, "APPLY_CHAT_TEMPLATE")
+                flags.append(None if flag is None else bool(flag))
+                results[i] = {
+                    "STOP_WORDS_IDS": to_word_list_tensor(self.encoder.encode_words(text_list(get, "STOP_WORDS"))),
+                    "BAD_WORDS_IDS": to_word_list_tensor(self.encoder.encode_words(text_list(get, "BAD_WORDS"))),
+                }
+                index.append(i)
+            except ValueError as exc:
+                results[i] = exc
+        if texts:
+            try:
+                encoded = self.encoder.encode(texts, flags)
+            except ValueError as exc:
+                encoded = [exc] * len(texts)
+            for i, ids in zip(index, encoded):
+                if isinstance(ids, ValueError):
+                    results[i] = ids
+                elif self.max_input_len and len(ids) > self.max_input_len:
+                    results[i] = ValueError(f"text_input is {len(ids)} tokens long, over the limit of "
+                                            f"{self.max_input_len} tokens")
+                else:
+                    results[i]["INPUT_IDS"] = np.array(ids, dtype=np.int32)
+        return results
+
+
+class Postprocessor:
+    """The `postprocessing` model's work: text deltas for a batch of llm responses."""
+
+    PASS_THROUGH = ("NUM_INPUT_TOKENS", "NUM_OUTPUT_TOKENS", "CUM_LOG_PROBS", "OUTPUT_LOG_PROBS", "FINISH_REASON")
+
+    def __init__(self, params: dict[str, str]):
+        from tritone.text import load_tokenizer
+
+        self.tokenizer = load_tokenizer(params["model_dir"])
+
+    def __call__(self, getters: list[Getter]) -> list[dict[str, np.ndarray]]:
+        from tritone.text import decode_delta
+
+        results = []
+        for get in getters:
+            text = decode_delta(
+                self.tokenizer,
+                get("CONTEXT_IDS").reshape(-1).tolist(),
+                get("TOKEN_IDS").reshape(-1).tolist(),
+                is_final=bool(scalar(get, "IS_FINAL")),
+                skip_special_tokens=bool(scalar(get, "SKIP_SPECIAL_TOKENS", True)),
+            )
+            out = {"TEXT_OUTPUT": np.array([text.encode("utf-8")], dtype=np.object_)}
+            for name in self.PASS_THROUGH:
+                out["OUT_" + name] = get(name).reshape(-1)
+            results.append(out)
+        return results
+
+
+def triton_getter(pb_utils, request) -> Getter:
+    """Reads a Triton request's inputs without the batch dimension (one request per row)."""
+    def get(name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()[0]
+    return get

@@ -1,0 +1,70 @@
+"""Triton adapter of the engine: `execute` validates and enqueues, the engine's own threads do
+the rest, and responses go out through each request's decoupled response sender."""
+
+import itertools
+import json
+import threading
+
+try:  # the launcher puts this beside the Python backend: it adds the environment's paths
+    import tritone_env  # noqa: F401
+except ImportError:  # NVIDIA's container, where the package is installed system-wide
+    pass
+
+import triton_python_backend_utils as pb_utils
+
+from tritone.config import EngineConfig
+from tritone.engine import AsyncEngine, LLMEngine
+from tritone.serving import ResponseStream, error_message, model_parameters, parse_llm_request, triton_getter
+
+_FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+# How often client cancellations are looked for; about one decode step.
+_CANCEL_POLL_SECONDS = 0.02
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        params = model_parameters(json.loads(args["model_config"]))
+        config = EngineConfig.from_parameters(params["model_dir"], params)
+        self.streams = {}
+        self.ids = itertools.count()
+        self.engine = AsyncEngine(LLMEngine(config), self._send)
+        self.engine.start()
+        self.stopping = threading.Event()
+        self.watcher = threading.Thread(target=self._watch_cancellations, daemon=True)
+        self.watcher.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            request_id = str(next(self.ids))
+            try:
+                parsed = parse_llm_request(triton_getter(pb_utils, request))
+                self.streams[request_id] = (ResponseStream(parsed), sender)
+                self.engine.submit(request_id, parsed.prompt_ids, parsed.params)
+            except (ValueError, RuntimeError) as exc:
+                self.streams.pop(request_id, None)
+                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=_FINAL)
+        return None
+
+    def _send(self, output):
+        stream, sender = self.streams[output.request_id]
+        if output.finished:
+            del self.streams[output.request_id]
+        message = error_message(output)
+        if message is not None:
+            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=_FINAL)
+            return
+        tensors = stream.on_output(output)
+        if tensors is not None:
+            response = pb_utils.InferenceResponse([pb_utils.Tensor(n, a[None]) for n, a in tensors.items()])
+            sender.send(response, flags=_FINAL if output.finished else 0)
+
+    def _watch_cancellations(self):
+        while not self.stopping.wait(_CANCEL_POLL_SECONDS):
+            for request_id, (_, sender) in list(self.streams.items()):
+                if sender.is_cancelled():
+                    self.engine.abort(request_id)
+
+    def finalize(self):
+        self.stopping.set()
+        self.engine.stop()
