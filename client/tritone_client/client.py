@@ -1,0 +1,165 @@
+"""Calls the `ensemble` model over gRPC (streaming or not) or HTTP (infer or generate_stream)."""
+
+from __future__ import annotations
+
+import json
+import queue
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from typing import Iterator
+
+import numpy as np
+
+# Input name -> numpy dtype, as the ensemble declares them (TensorRT-LLM's names and dtypes).
+INPUT_DTYPES = {
+    "max_tokens": np.int32, "end_id": np.int32, "pad_id": np.int32, "top_k": np.int32,
+    "min_tokens": np.int32, "min_length": np.int32,
+    "top_p": np.float32, "min_p": np.float32, "temperature": np.float32,
+    "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
+    "seed": np.uint64, "random_seed": np.uint64,
+    "stream": np.bool_, "return_log_probs": np.bool_, "exclude_input_in_output": np.bool_,
+    "skip_special_tokens": np.bool_, "apply_chat_template": np.bool_,
+    "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_,
+}
+OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "cum_log_probs", "output_log_probs", "finish_reason")
+
+
+@dataclass(slots=True)
+class Chunk:
+    """One response: the new text when streaming, the whole completion otherwise."""
+
+    text: str
+    num_input_tokens: int
+    num_output_tokens: int
+    cum_log_prob: float
+    output_log_probs: list[float]
+    finish_reason: str
+
+
+class TritoneClient:
+    def __init__(self, url: str = "127.0.0.1:8001", protocol: str = "grpc", model: str = "ensemble"):
+        if protocol not in ("grpc", "http"):
+            raise ValueError(f"protocol must be grpc or http, got {protocol!r}")
+        self.url, self.protocol, self.model = url, protocol, model
+        self._client = None
+        if protocol == "grpc":
+            import tritonclient.grpc as grpcclient
+
+            self._triton = grpcclient
+            self._client = grpcclient.InferenceServerClient(url)
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def generate(self, prompt: str, max_tokens: int = 64, stream: bool = False,
+                 stop_words: list[str] | None = None, bad_words: list[str] | None = None,
+                 **params) -> Iterator[Chunk]:
+        """Yields chunks as they arrive; `params` are any of the ensemble's optional inputs."""
+        values = {"max_tokens": max_tokens, "stream": stream, **{k: v for k, v in params.items() if v is not None}}
+        # The ensemble holds a decoupled model, which Triton serves only over gRPC streams and
+        # the HTTP generate endpoints; `stream` says whether the answer comes in pieces.
+        if self.protocol == "http":
+            yield from self._http_generate(prompt, values, stop_words, bad_words)
+        else:
+            yield from self._grpc_stream(self._inputs(prompt, values, stop_words, bad_words))
+
+    def complete(self, prompt: str, **kwargs) -> Chunk:
+        """The whole completion of a non-streamed request."""
+        return next(iter(self.generate(prompt, stream=False, **kwargs)))
+
+    def _inputs(self, prompt, values, stop_words, bad_words):
+        t = self._triton
+        arrays = {"text_input": np.array([[prompt.encode("utf-8")]], dtype=np.object_)}
+        for name, words in (("stop_words", stop_words), ("bad_words", bad_words)):
+            if words:
+                arrays[name] = np.array([[w.encode("utf-8") for w in words]], dtype=np.object_)
+        for name, value in values.items():
+            if name not in INPUT_DTYPES:
+                raise ValueError(f"unknown input {name!r}")
+            arrays[name] = np.array([[value]], dtype=INPUT_DTYPES[name])
+        inputs = []
+        for name, array in arrays.items():
+            tensor = t.InferInput(name, list(array.shape), "BYTES" if array.dtype == np.object_ else
+                                  _triton_dtype(array.dtype))
+            tensor.set_data_from_numpy(array)
+            inputs.append(tensor)
+        return inputs
+
+    def _grpc_stream(self, inputs) -> Iterator[Chunk]:
+        responses: queue.Queue = queue.Queue()
+        self._client.start_stream(callback=lambda result, error: responses.put((result, error)))
+        try:
+            self._client.async_stream_infer(self.model, inputs, enable_empty_final_response=True)
+            while True:
+                result, error = responses.get()
+                if error is not None:
+                    raise RuntimeError(error.message() if hasattr(error, "message") else str(error))
+                response = result.get_response()
+                if response.outputs:
+                    yield _chunk(result.as_numpy)
+                if response.parameters["triton_final_response"].bool_param:
+                    return
+        finally:
+            self._client.stop_stream()
+
+    def _http_generate(self, prompt, values, stop_words, bad_words) -> Iterator[Chunk]:
+        body = {"text_input": prompt, **values}
+        if stop_words:
+            body["stop_words"] = stop_words
+        if bad_words:
+            body["bad_words"] = bad_words
+        endpoint = "generate_stream" if values["stream"] else "generate"
+        request = urllib.request.Request(f"http://{self.url}/v2/models/{self.model}/{endpoint}",
+                                         data=json.dumps(body).encode(), method="POST")
+        try:
+            response = urllib.request.urlopen(request)
+        except urllib.error.HTTPError as exc:
+            body = exc.read().strip().removeprefix(b"data:")  # generate_stream errors come as an event
+            try:
+                message = json.loads(body).get("error", str(exc))
+            except ValueError:
+                message = f"{exc}: {body.decode(errors='replace')}"
+            raise RuntimeError(message) from None
+        with response:
+            if not values["stream"]:
+                event = json.loads(response.read())
+                yield _chunk(lambda name: np.array(event[name]) if name in event else None)
+                return
+            for line in response:
+                if not line.startswith(b"data:"):
+                    continue
+                event = json.loads(line[5:])
+                if "error" in event:
+                    raise RuntimeError(event["error"])
+                yield _chunk(lambda name: np.array(event[name]) if name in event else None)
+
+
+def _triton_dtype(dtype) -> str:
+    return {np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32", np.bool_: "BOOL"}[np.dtype(dtype).type]
+
+
+def _chunk(get) -> Chunk:
+    def first(name, default):
+        array = get(name)
+        if array is None or np.asarray(array).size == 0:
+            return default
+        value = np.asarray(array).reshape(-1)[0]
+        return value.decode("utf-8") if isinstance(value, bytes) else value.item() if hasattr(value, "item") else value
+
+    log_probs = get("output_log_probs")
+    return Chunk(
+        text=first("text_output", ""),
+        num_input_tokens=int(first("num_input_tokens", 0)),
+        num_output_tokens=int(first("num_output_tokens", 0)),
+        cum_log_prob=float(first("cum_log_probs", 0.0)),
+        output_log_probs=[] if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1).tolist(),
+        finish_reason=first("finish_reason", ""),
+    )
