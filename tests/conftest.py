@@ -1,0 +1,90 @@
+"""Shared fixtures: the real default model, a Hugging Face reference, and a real tritonserver."""
+
+from __future__ import annotations
+
+import pathlib
+import socket
+
+import pytest
+import torch
+
+from tritone.models import prepare_default_model
+
+PROMPTS = [
+    "The quick brown fox",
+    "1, 2, 3, 4, 5,",
+    "def fibonacci(n):\n    ",
+    "Once upon a time, in a small village by the sea, there lived an old fisherman who",
+    "The capital of France is",
+    "Water boils at a temperature of",
+    "In 1492, Columbus sailed across the Atlantic Ocean and reached the islands of the Caribbean. "
+    "His voyages opened the way for the European exploration and colonization of the Americas. Historians",
+    "Roses are red, violets are blue,",
+]
+
+
+@pytest.fixture(scope="session")
+def model_dir() -> pathlib.Path:
+    return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def hf_model(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, end_ids=(2,)) -> list[int]:
+    """Hugging Face greedy tokens, without the end-of-sequence token (Tritone does not return it)."""
+    with torch.inference_mode():
+        out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
+                                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+    ids = out[0, len(prompt_ids):].tolist()
+    for i, t in enumerate(ids):
+        if t in end_ids:
+            return ids[:i]
+    return ids
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    """A real tritonserver with the real model repository and the default model, in fp32 so that
+    its greedy output can be compared token for token with Hugging Face."""
+    from tritone.launcher import Server, build_parser
+
+    args = build_parser().parse_args([
+        "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+        "--dtype", "float32", "--kv-cache-bytes", str(256 << 20),
+    ])
+    run_dir = tmp_path_factory.mktemp("tritonserver")
+    log = open(run_dir / "server.log", "w")
+    srv = Server(args, run_dir=run_dir)
+    srv.start(stdout=log)
+    try:
+        srv.wait_ready(timeout=300)
+    except Exception:
+        log.flush()
+        print((run_dir / "server.log").read_text()[-5000:])
+        srv.stop()
+        raise
+    yield srv
+    srv.stop()
+    log.close()
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "integration: needs a real tritonserver")
