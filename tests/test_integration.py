@@ -1,0 +1,143 @@
+"""Against a real tritonserver serving the real model repository and default model."""
+
+import json
+import urllib.error
+import urllib.request
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from conftest import hf_greedy
+from tritone_client import TritoneClient
+
+pytestmark = pytest.mark.integration
+
+QUESTION = "What is the capital of France?"
+
+
+def post(server, endpoint, body):
+    request = urllib.request.Request(f"http://{server.http_url}/v2/models/ensemble/{endpoint}",
+                                     data=json.dumps(body).encode(), method="POST")
+    try:
+        with urllib.request.urlopen(request, timeout=120) as response:
+            return response.status, response.read().decode()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read().decode()
+
+
+def sse_events(text):
+    return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
+
+
+@pytest.fixture(scope="module")
+def grpc(server):
+    with TritoneClient(f"{server.args.host}:{server.args.grpc_port}", "grpc") as client:
+        yield client
+
+
+def test_http_generate_answers(server):
+    status, body = post(server, "generate", {"text_input": QUESTION, "max_tokens": 24})
+    assert status == 200, body
+    answer = json.loads(body)
+    assert "Paris" in answer["text_output"]
+    assert answer["finish_reason"] == "stop"
+    assert answer["num_output_tokens"] > 0 and answer["num_input_tokens"] > 0
+
+
+def test_http_generate_stream_streams_the_same_text_in_pieces(server):
+    _, whole = post(server, "generate", {"text_input": QUESTION, "max_tokens": 24})
+    status, body = post(server, "generate_stream", {"text_input": QUESTION, "max_tokens": 24, "stream": True})
+    assert status == 200, body
+    events = sse_events(body)
+    pieces = [e["text_output"] for e in events]
+    assert len([p for p in pieces if p]) > 3
+    assert "".join(pieces) == json.loads(whole)["text_output"]
+    assert events[-1]["finish_reason"] == "stop"
+
+
+def test_grpc_streaming_and_not_agree(grpc):
+    chunks = list(grpc.generate(QUESTION, max_tokens=24, stream=True))
+    whole = list(grpc.generate(QUESTION, max_tokens=24, stream=False))
+    assert len(chunks) > 3 and len(whole) == 1
+    assert "".join(c.text for c in chunks) == whole[0].text
+    assert "Paris" in whole[0].text
+    assert chunks[-1].num_output_tokens == whole[0].num_output_tokens
+
+
+def test_http_and_grpc_give_the_same_answer(server, grpc):
+    http = TritoneClient(server.http_url, "http")
+    assert http.complete(QUESTION, max_tokens=24).text == grpc.complete(QUESTION, max_tokens=24).text
+
+
+def test_greedy_equals_hugging_face(grpc, tokenizer, hf_model):
+    for prompt in ("The quick brown fox", "def fibonacci(n):\n    "):
+        ids = tokenizer(prompt).input_ids
+        expected = tokenizer.decode(hf_greedy(hf_model, ids, 20), skip_special_tokens=True)
+        got = grpc.complete(prompt, max_tokens=20, apply_chat_template=False)
+        assert got.text == expected
+        assert got.num_input_tokens == len(ids)
+
+
+def test_chat_template_is_applied_like_hugging_face(grpc, tokenizer, hf_model):
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
+                                        tokenize=True, return_dict=True)["input_ids"]
+    expected = tokenizer.decode(hf_greedy(hf_model, ids, 24), skip_special_tokens=True)
+    got = grpc.complete(QUESTION, max_tokens=24)
+    assert got.text == expected and got.num_input_tokens == len(ids)
+
+
+@pytest.mark.parametrize("max_tokens", [1, 7, 33])
+def test_max_tokens_is_honoured_exactly(grpc, max_tokens):
+    chunks = list(grpc.generate("Count to one hundred:", max_tokens=max_tokens, stream=True, end_id=-1))
+    assert chunks[-1].num_output_tokens == max_tokens
+    assert chunks[-1].finish_reason == "length"
+    whole = grpc.complete("Count to one hundred:", max_tokens=max_tokens, end_id=-1)
+    assert whole.num_output_tokens == max_tokens
+
+
+def test_declared_outputs_are_present_with_their_dtypes(server):
+    client = grpcclient.InferenceServerClient(f"{server.args.host}:{server.args.grpc_port}")
+    config = client.get_model_config("ensemble", as_json=True)["config"]
+    declared = {o["name"]: o["data_type"] for o in config["output"]}
+    assert set(declared) >= {"text_output", "num_input_tokens", "num_output_tokens", "cum_log_probs",
+                             "output_log_probs", "finish_reason"}
+    results = []
+    client.start_stream(callback=lambda result, error: results.append((result, error)))
+    inputs = []
+    for name, value, dtype in (("text_input", np.array([[b"Hello"]], dtype=object), "BYTES"),
+                               ("max_tokens", np.array([[4]], dtype=np.int32), "INT32"),
+                               ("return_log_probs", np.array([[True]]), "BOOL")):
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    client.async_stream_infer("ensemble", inputs)
+    client.stop_stream()
+    client.close()
+    (result, error), = results
+    assert error is None
+    numpy_of = {"TYPE_STRING": np.object_, "TYPE_INT32": np.int32, "TYPE_FP32": np.float32}
+    for name, dtype in declared.items():
+        array = result.as_numpy(name)
+        assert array is not None, name
+        assert array.dtype == numpy_of[dtype], name
+    log_probs = result.as_numpy("output_log_probs").reshape(-1)
+    assert len(log_probs) == result.as_numpy("num_output_tokens").item()
+    assert np.all(log_probs <= 0) and np.isclose(log_probs.sum(), result.as_numpy("cum_log_probs").item(), atol=1e-4)
+
+
+def test_seeded_sampling_is_reproducible(grpc):
+    a = grpc.complete("Tell me a story.", max_tokens=24, temperature=1.0, seed=7)
+    b = grpc.complete("Tell me a story.", max_tokens=24, temperature=1.0, seed=7)
+    c = grpc.complete("Tell me a story.", max_tokens=24, temperature=1.0, seed=8)
+    assert a.text == b.text and a.text != c.text
+
+
+def test_bad_input_fails_alone_and_the_server_keeps_serving(server, grpc):
+    status, body = post(server, "generate", {"text_input": QUESTION, "max_tokens": 0})
+    assert status == 400 and "max_tokens" in body
+    with pytest.raises(RuntimeError, match="temperature"):
+        grpc.complete(QUESTION, max_tokens=4, temperature=-1.0)
+    with pytest.raises(RuntimeError, match="text_input"):
+        grpc.complete("", max_tokens=4)
+    assert "Paris" in grpc.complete(QUESTION, max_tokens=24).text
