@@ -24,11 +24,21 @@ logger = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class EngineStats:
+    """Running totals, read by the metrics reporter from another thread (plain ints and floats,
+    and lists it swaps out, so no lock is needed under the GIL)."""
+
     num_steps: int = 0
     forward_seconds: float = 0.0
     step_seconds: float = 0.0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
+    time_to_first_token: list[float] = field(default_factory=list)
+    inter_token_latency: list[float] = field(default_factory=list)
+
+    def take_latencies(self) -> tuple[list[float], list[float]]:
+        ttft, self.time_to_first_token = self.time_to_first_token, []
+        itl, self.inter_token_latency = self.inter_token_latency, []
+        return ttft, itl
 
 
 def model_end_ids(model_dir: str, hf_config) -> frozenset[int]:
@@ -148,6 +158,10 @@ class LLMEngine:
             request.output_log_probs.append(log_prob)
             if request.first_token_time is None:
                 request.first_token_time = now
+                self.stats.time_to_first_token.append(now - request.arrival_time)
+            else:
+                self.stats.inter_token_latency.append(now - request.last_token_time)
+            request.last_token_time = now
             self.stats.num_generation_tokens += 1
             new_ids, new_lps = [token_id], [log_prob]
             reason = self._stop_reason(request)

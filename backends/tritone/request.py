@@ -91,6 +91,7 @@ class Request:
     generator: torch.Generator | None = None
     end_ids: frozenset[int] = frozenset()
     first_token_time: float | None = None
+    last_token_time: float = 0.0
 
     @property
     def all_token_ids(self) -> list[int]:

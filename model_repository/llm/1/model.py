@@ -4,6 +4,7 @@ the rest, and responses go out through each request's decoupled response sender.
 import itertools
 import json
 import threading
+import time
 
 try:  # the launcher puts this beside the Python backend: it adds the environment's paths
     import tritone_env  # noqa: F401
@@ -14,11 +15,13 @@ import triton_python_backend_utils as pb_utils
 
 from tritone.config import EngineConfig
 from tritone.engine import AsyncEngine, LLMEngine
+from tritone.metrics import EngineMetrics
 from tritone.serving import ResponseStream, error_message, model_parameters, parse_llm_request, triton_getter
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# How often client cancellations are looked for; about one decode step.
+# How often client cancellations are looked for (about one decode step), and metrics reported.
 _CANCEL_POLL_SECONDS = 0.02
+_METRICS_SECONDS = 1.0
 
 
 class TritonPythonModel:
@@ -27,11 +30,13 @@ class TritonPythonModel:
         config = EngineConfig.from_parameters(params["model_dir"], params)
         self.streams = {}
         self.ids = itertools.count()
-        self.engine = AsyncEngine(LLMEngine(config), self._send)
+        engine = LLMEngine(config)
+        self.metrics = EngineMetrics(pb_utils, engine)
+        self.engine = AsyncEngine(engine, self._send)
         self.engine.start()
         self.stopping = threading.Event()
-        self.watcher = threading.Thread(target=self._watch_cancellations, daemon=True)
-        self.watcher.start()
+        threading.Thread(target=self._watch_cancellations, daemon=True).start()
+        threading.Thread(target=self._report_metrics, daemon=True).start()
 
     def execute(self, requests):
         for request in requests:
@@ -64,6 +69,10 @@ class TritonPythonModel:
             for request_id, (_, sender) in list(self.streams.items()):
                 if sender.is_cancelled():
                     self.engine.abort(request_id)
+
+    def _report_metrics(self):
+        while not self.stopping.wait(_METRICS_SECONDS):
+            self.metrics.report(time.monotonic())
 
     def finalize(self):
         self.stopping.set()
