@@ -16,9 +16,12 @@ class EngineMetrics:
         self.engine = engine
         family = pb_utils.MetricFamily
         labels = {"model": model_name}
+        # A family must outlive its metrics, or setting them fails.
+        self.families = []
 
         def metric(name, description, kind, **kwargs):
-            return family(name=name, description=description, kind=kind).Metric(labels=labels, **kwargs)
+            self.families.append(family(name=name, description=description, kind=kind))
+            return self.families[-1].Metric(labels=labels, **kwargs)
 
         g, c, h = family.GAUGE, family.COUNTER, family.HISTOGRAM
         self.running = metric("tritone_num_requests_running", "Requests in the running batch", g)

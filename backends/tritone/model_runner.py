@@ -68,7 +68,7 @@ class ModelRunner:
         """Computes the scheduled tokens; returns logits [num_scheduled, vocab] at each
         request's last scheduled position (rows of unfinished prefill chunks are unused)."""
         input_ids, positions, slot_mapping, last_index = [], [], [], []
-        prefills, decode_contexts = [], []
+        prefills, decodes = [], []
         for item in batch.scheduled:
             req, start, n = item.request, item.request.num_computed_tokens, item.num_tokens
             first = len(input_ids)
@@ -76,21 +76,21 @@ class ModelRunner:
             positions.extend(range(start, start + n))
             slot_mapping.extend(block_manager.slot(req, p) for p in range(start, start + n))
             last_index.append(len(input_ids) - 1)
-            context_slots = self._context_slots(req, start + n, block_manager)
             if n == 1:
-                decode_contexts.append(context_slots)
+                decodes.append((req.block_ids, start + 1))
             else:
-                prefills.append((first, n, torch.tensor(context_slots, device=self.device)))
+                slots = self._slots(req.block_ids, start + n)
+                prefills.append((first, n, slots))
         meta = attention.AttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=torch.tensor(slot_mapping, device=self.device),
-            num_decodes=len(decode_contexts),
+            num_decodes=len(decodes),
             decode_slots=None,
             decode_mask=None,
             prefills=prefills,
         )
-        if decode_contexts:
-            meta.decode_slots, meta.decode_mask = self._pad_contexts(decode_contexts)
+        if decodes:
+            meta.decode_slots, meta.decode_mask = self._decode_slots(decodes)
         out = self.model(
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
@@ -100,19 +100,23 @@ class ModelRunner:
         )
         return out.logits[0]
 
-    def _context_slots(self, req, context_len: int, block_manager: BlockManager) -> list[int]:
-        bs = self.block_size
-        slots = []
-        for block_id in req.block_ids[: -(-context_len // bs)]:
-            base = block_id * bs
-            slots.extend(range(base, base + bs))
-        return slots[:context_len]
+    def _slots(self, block_ids: list[int], context_len: int) -> torch.Tensor:
+        """Cache slots of a request's first `context_len` tokens, in order."""
+        blocks = torch.tensor(block_ids[: -(-context_len // self.block_size)])
+        slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
+        return slots[:context_len].to(self.device)
 
-    def _pad_contexts(self, contexts: list[list[int]]):
-        width = max(len(c) for c in contexts)
-        slots = torch.zeros(len(contexts), width, dtype=torch.long)
-        mask = torch.zeros(len(contexts), 1, 1, width, dtype=torch.bool)
-        for i, c in enumerate(contexts):
-            slots[i, :len(c)] = torch.tensor(c)
-            mask[i, 0, 0, :len(c)] = True
+    def _decode_slots(self, decodes: list[tuple[list[int], int]]):
+        """Padded context slots [num_decodes, width] and a mask of the real ones, built from
+        the block tables with tensor ops (no per-token Python work)."""
+        bs = self.block_size
+        num_blocks = max(-(-ctx // bs) for _, ctx in decodes)
+        table = torch.zeros(len(decodes), num_blocks, dtype=torch.long)
+        for i, (block_ids, ctx) in enumerate(decodes):
+            row = block_ids[: -(-ctx // bs)]
+            table[i, :len(row)] = torch.tensor(row)
+        width = max(ctx for _, ctx in decodes)
+        slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)[:, :width]
+        lengths = torch.tensor([ctx for _, ctx in decodes])
+        mask = (torch.arange(width)[None, :] < lengths[:, None]).view(len(decodes), 1, 1, width)
         return slots.to(self.device), mask.to(self.device)

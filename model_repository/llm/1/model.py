@@ -29,6 +29,9 @@ class TritonPythonModel:
         params = model_parameters(json.loads(args["model_config"]))
         config = EngineConfig.from_parameters(params["model_dir"], params)
         self.streams = {}
+        # Triton frees a request's response factory once its final response is sent, and asking
+        # a freed one whether it was cancelled crashes the server: the two never overlap.
+        self.final_lock = threading.Lock()
         self.ids = itertools.count()
         engine = LLMEngine(config)
         self.metrics = EngineMetrics(pb_utils, engine)
@@ -47,27 +50,41 @@ class TritonPythonModel:
                 self.streams[request_id] = (ResponseStream(parsed), sender)
                 self.engine.submit(request_id, parsed.prompt_ids, parsed.params)
             except (ValueError, RuntimeError) as exc:
-                self.streams.pop(request_id, None)
-                sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=_FINAL)
+                with self.final_lock:
+                    self.streams.pop(request_id, None)
+                    sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(exc))), flags=_FINAL)
         return None
 
     def _send(self, output):
-        stream, sender = self.streams[output.request_id]
-        if output.finished:
-            del self.streams[output.request_id]
+        entry = self.streams.get(output.request_id)
+        if entry is None:
+            return  # cancelled: Triton already closed the stream
+        stream, sender = entry
         message = error_message(output)
         if message is not None:
-            sender.send(pb_utils.InferenceResponse(error=pb_utils.TritonError(message)), flags=_FINAL)
-            return
-        tensors = stream.on_output(output)
-        if tensors is not None:
+            response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
+        else:
+            tensors = stream.on_output(output)
+            if tensors is None:
+                return
             response = pb_utils.InferenceResponse([pb_utils.Tensor(n, a[None]) for n, a in tensors.items()])
-            sender.send(response, flags=_FINAL if output.finished else 0)
+        if not output.finished:
+            sender.send(response)
+            return
+        with self.final_lock:
+            del self.streams[output.request_id]
+            sender.send(response, flags=_FINAL)
 
     def _watch_cancellations(self):
         while not self.stopping.wait(_CANCEL_POLL_SECONDS):
-            for request_id, (_, sender) in list(self.streams.items()):
-                if sender.is_cancelled():
+            for request_id in list(self.streams):
+                with self.final_lock:
+                    entry = self.streams.get(request_id)
+                    # A True answer also makes Triton send the final flag itself.
+                    cancelled = entry is not None and entry[1].is_cancelled()
+                    if cancelled:
+                        del self.streams[request_id]
+                if cancelled:
                     self.engine.abort(request_id)
 
     def _report_metrics(self):
