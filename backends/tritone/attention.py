@@ -35,21 +35,21 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     meta = tritone_metadata
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     # query: [1, heads, T, D]; key/value: [1, kv_heads, T, D]
-    k_cache[meta.slot_mapping] = key[0].transpose(0, 1).to(k_cache.dtype)
-    v_cache[meta.slot_mapping] = value[0].transpose(0, 1).to(v_cache.dtype)
+    _write(k_cache, meta.slot_mapping, key[0].transpose(0, 1))
+    _write(v_cache, meta.slot_mapping, value[0].transpose(0, 1))
     q = query[0]  # [heads, T, D]
     num_tokens = q.shape[1]
     out = q.new_empty(num_tokens, q.shape[0], q.shape[2])
     nd = meta.num_decodes
     if nd:
-        k = k_cache[meta.decode_slots].transpose(1, 2)  # [nd, kv_heads, ctx, D]
-        v = v_cache[meta.decode_slots].transpose(1, 2)
+        k = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [nd, kv_heads, ctx, D]
+        v = _gather(v_cache, meta.decode_slots).transpose(1, 2)
         qd = q[:, :nd].transpose(0, 1).unsqueeze(2)  # [nd, heads, 1, D]
         o = F.scaled_dot_product_attention(qd, k, v, attn_mask=meta.decode_mask, scale=scaling, enable_gqa=True)
         out[:nd] = o.squeeze(2)
     for start, length, slots in meta.prefills:
-        k = k_cache[slots].transpose(0, 1)  # [kv_heads, ctx, D]
-        v = v_cache[slots].transpose(0, 1)
+        k = _gather(k_cache, slots).transpose(0, 1)  # [kv_heads, ctx, D]
+        v = _gather(v_cache, slots).transpose(0, 1)
         qp = q[:, start:start + length]
         ctx = slots.shape[0]
         if ctx == length:
@@ -60,6 +60,16 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
             o = F.scaled_dot_product_attention(qp, k, v, attn_mask=mask, scale=scaling, enable_gqa=True)
         out[start:start + length] = o.transpose(0, 1)
     return out.unsqueeze(0), None
+
+
+def _write(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    cache.view(cache.shape[0], -1).index_copy_(0, slots, values.reshape(len(slots), -1).to(cache.dtype))
+
+
+def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    # index_select on rows is several times faster on CPU than advanced indexing.
+    rows = cache.view(cache.shape[0], -1).index_select(0, slots.reshape(-1))
+    return rows.view(*slots.shape, *cache.shape[1:])
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention)

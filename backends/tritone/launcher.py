@@ -157,8 +157,10 @@ class Server:
     def start(self, stdout=None) -> None:
         install = find_tritonserver()
         repository = render_repository(self.run_dir / "model_repository", template_values(self.args, self.model_dir))
+        # Its own session, so that Ctrl-C reaches it once, through us; and it dies with us.
         self.process = subprocess.Popen(self.command(install, repository), env=install.env, stdout=stdout,
-                                        stderr=subprocess.STDOUT if stdout else None)
+                                        stderr=subprocess.STDOUT if stdout else None,
+                                        start_new_session=True, preexec_fn=_die_with_parent)
 
     @property
     def http_url(self) -> str:
@@ -190,6 +192,15 @@ class Server:
             return self.process.wait()
 
 
+def _die_with_parent() -> None:
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def _print_usage(server: Server) -> None:
     a = server.args
     print(f"""
@@ -207,9 +218,9 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     server = Server(args)
     server.start()
-    # Ctrl-C reaches tritonserver too (same process group); wait for it to shut down cleanly.
-    signal.signal(signal.SIGINT, lambda *_: None)
-    signal.signal(signal.SIGTERM, lambda *_: server.process.send_signal(signal.SIGINT))
+    # Ctrl-C or SIGTERM: tritonserver finishes in-flight requests (up to its exit timeout) and exits.
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: server.process.send_signal(signal.SIGINT))
     try:
         server.wait_ready()
     except (RuntimeError, TimeoutError) as exc:
