@@ -53,6 +53,9 @@ class EngineConfig:
     seed: int = 0
     # Waiting requests beyond this are refused with a "server busy" error (0: no limit).
     max_queue_len: int = 0
+    # CPU threads for the model (0: all cores but one, left to the tokenizer, detokenizer and
+    # server processes, whose work would otherwise stall every parallel op of the model).
+    num_threads: int = 0
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -62,7 +65,7 @@ class EngineConfig:
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_model_len", "kv_cache_bytes", "max_queue_len", "seed"):
+        for name in ("max_model_len", "kv_cache_bytes", "max_queue_len", "seed", "num_threads"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if not 0.0 < self.kv_cache_fraction <= 1.0:

@@ -105,6 +105,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's own limit")
     p.add_argument("--max-input-len", type=int, default=0, help="longest prompt accepted, in tokens (0: max model len)")
     p.add_argument("--max-queue-len", type=int, default=0, help="waiting requests beyond this get 'server busy' (0: no limit)")
+    p.add_argument("--num-threads", type=int, default=0,
+                   help="CPU threads for the model (0: all cores but one, left to the text stages)")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--chat-template", default="auto", choices=["auto", "never"],
                    help="auto: wrap text_input in the model's chat template when it has one")
@@ -126,6 +128,7 @@ def template_values(args, model_dir: pathlib.Path) -> dict[str, str]:
         "max_model_len": args.max_model_len,
         "max_input_len": args.max_input_len,
         "max_queue_len": args.max_queue_len,
+        "num_threads": args.num_threads,
         "enable_prefix_caching": str(not args.no_prefix_caching).lower(),
         "chat_template": args.chat_template,
     }

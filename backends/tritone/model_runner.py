@@ -35,6 +35,8 @@ class ModelRunner:
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) - 1))
         self.hf_config = AutoConfig.from_pretrained(config.model)
         self.model = AutoModelForCausalLM.from_pretrained(
             config.model, dtype=self.dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
@@ -52,8 +54,8 @@ class ModelRunner:
              torch.zeros(num_slots, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
             for _ in range(text_config.num_hidden_layers)
         ]
-        logger.info("model %s on %s in %s; KV cache %d blocks of %d tokens", config.model,
-                    self.device, self.dtype, self.num_blocks, self.block_size)
+        logger.warning("model %s on %s in %s, %d CPU threads; KV cache %d blocks of %d tokens", config.model,
+                       self.device, self.dtype, torch.get_num_threads(), self.num_blocks, self.block_size)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         per_block = kv_bytes_per_token(self.hf_config, self.dtype) * self.block_size
