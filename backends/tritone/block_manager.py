@@ -100,11 +100,6 @@ class BlockManager:
         block_id = request.block_ids[position // self.block_size]
         return block_id * self.block_size + position % self.block_size
 
-    def reset_prefix_cache(self) -> None:
-        for block_id in self.cached_blocks.values():
-            self.blocks[block_id].block_hash = None
-        self.cached_blocks.clear()
-
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -134,12 +134,12 @@ class LLMEngine:
         f1 = time.perf_counter()
         sample_rows, sample_requests = [], []
         for i, item in enumerate(batch.scheduled):
-            item.request.num_computed_tokens += item.num_tokens
-            if item.request.num_computed_tokens == item.request.num_tokens:
+            request, start = item.request, item.request.num_computed_tokens
+            self.stats.num_prompt_tokens += max(0, min(start + item.num_tokens, request.num_prompt_tokens) - start)
+            request.num_computed_tokens += item.num_tokens
+            if request.num_computed_tokens == request.num_tokens:
                 sample_rows.append(i)
-                sample_requests.append(item.request)
-            self.stats.num_prompt_tokens += max(0, min(item.request.num_computed_tokens, item.request.num_prompt_tokens)
-                                                - (item.request.num_computed_tokens - item.num_tokens))
+                sample_requests.append(request)
         outputs = []
         if sample_requests:
             token_ids, log_probs = self.sampler(logits[sample_rows], sample_requests)

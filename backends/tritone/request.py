@@ -113,10 +113,6 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    def token_at(self, index: int) -> int:
-        n = len(self.prompt_ids)
-        return self.prompt_ids[index] if index < n else self.output_ids[index - n]
-
     def tokens_slice(self, start: int, end: int) -> list[int]:
         n = len(self.prompt_ids)
         if end <= n:
