@@ -82,8 +82,23 @@ def server(model_dir, tmp_path_factory):
         srv.stop()
         raise
     yield srv
-    srv.stop()
+    # Every request got its final response, so every model unloads within the exit timeout and
+    # no Python stub outlives the server.
+    code = srv.stop()
     log.close()
+    assert code == 0, (run_dir / "server.log").read_text()[-3000:]
+    assert not processes_mentioning(str(run_dir)), "a Python backend stub outlived tritonserver"
+
+
+def processes_mentioning(text: str) -> list[int]:
+    found = []
+    for cmdline in pathlib.Path("/proc").glob("[0-9]*/cmdline"):
+        try:
+            if text in cmdline.read_bytes().decode(errors="replace"):
+                found.append(int(cmdline.parent.name))
+        except OSError:
+            pass
+    return found
 
 
 def pytest_configure(config):

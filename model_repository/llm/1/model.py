@@ -56,10 +56,7 @@ class TritonPythonModel:
         return None
 
     def _send(self, output):
-        entry = self.streams.get(output.request_id)
-        if entry is None:
-            return  # cancelled: Triton already closed the stream
-        stream, sender = entry
+        stream, sender = self.streams[output.request_id]
         message = error_message(output)
         if message is not None:
             response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
@@ -80,11 +77,10 @@ class TritonPythonModel:
             for request_id in list(self.streams):
                 with self.final_lock:
                     entry = self.streams.get(request_id)
-                    # A True answer also makes Triton send the final flag itself.
                     cancelled = entry is not None and entry[1].is_cancelled()
-                    if cancelled:
-                        del self.streams[request_id]
                 if cancelled:
+                    # The engine answers with a final "cancelled" output, which closes the
+                    # stream; until then the response factory stays alive and unload waits.
                     self.engine.abort(request_id)
 
     def _report_metrics(self):
@@ -93,4 +89,5 @@ class TritonPythonModel:
 
     def finalize(self):
         self.stopping.set()
-        self.engine.stop()
+        # Triton has already waited for in-flight requests; whatever is left is cancelled.
+        self.engine.stop(timeout=5.0)
