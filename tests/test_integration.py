@@ -27,6 +27,16 @@ def post(server, endpoint, body):
         return exc.code, exc.read().decode()
 
 
+def grpc_inputs(*tensors):
+    """tritonclient inputs from (name, array, Triton dtype) triples."""
+    inputs = []
+    for name, value, dtype in tensors:
+        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
+
+
 def sse_events(text):
     return [json.loads(line[5:]) for line in text.splitlines() if line.startswith("data:")]
 
@@ -105,14 +115,9 @@ def test_declared_outputs_are_present_with_their_dtypes(server):
                              "output_log_probs", "finish_reason"}
     results = []
     client.start_stream(callback=lambda result, error: results.append((result, error)))
-    inputs = []
-    for name, value, dtype in (("text_input", np.array([[b"Hello"]], dtype=object), "BYTES"),
-                               ("max_tokens", np.array([[4]], dtype=np.int32), "INT32"),
-                               ("return_log_probs", np.array([[True]]), "BOOL")):
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    client.async_stream_infer("ensemble", inputs)
+    client.async_stream_infer("ensemble", grpc_inputs(("text_input", np.array([[b"Hello"]], dtype=object), "BYTES"),
+                                                      ("max_tokens", np.array([[4]], dtype=np.int32), "INT32"),
+                                                      ("return_log_probs", np.array([[True]]), "BOOL")))
     client.stop_stream()
     client.close()
     (result, error), = results
@@ -174,15 +179,11 @@ def test_cancelled_llm_stream_frees_its_blocks_and_others_go_on(server, grpc, to
     client = grpcclient.InferenceServerClient(f"{server.args.host}:{server.args.grpc_port}")
     received = []
     client.start_stream(callback=lambda result, error: received.append(error))
-    inputs = []
-    for name, value, dtype in (("INPUT_IDS", np.array([tokenizer("Count to one thousand:").input_ids], dtype=np.int32), "INT32"),
-                               ("MAX_TOKENS", np.array([[2000]], dtype=np.int32), "INT32"),
-                               ("END_ID", np.array([[-1]], dtype=np.int32), "INT32"),
-                               ("STREAM", np.array([[True]]), "BOOL")):
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    client.async_stream_infer("llm", inputs)
+    prompt_ids = np.array([tokenizer("Count to one thousand:").input_ids], dtype=np.int32)
+    client.async_stream_infer("llm", grpc_inputs(("INPUT_IDS", prompt_ids, "INT32"),
+                                                 ("MAX_TOKENS", np.array([[2000]], dtype=np.int32), "INT32"),
+                                                 ("END_ID", np.array([[-1]], dtype=np.int32), "INT32"),
+                                                 ("STREAM", np.array([[True]]), "BOOL")))
     deadline = time.monotonic() + 60
     while len(received) < 5 and time.monotonic() < deadline:
         time.sleep(0.05)

@@ -96,10 +96,6 @@ class BlockManager:
                 self.free_block_ids[block_id] = None
         request.block_ids = []
 
-    def slot(self, request: Request, position: int) -> int:
-        block_id = request.block_ids[position // self.block_size]
-        return block_id * self.block_size + position % self.block_size
-
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
         if block.ref_count == 0:

@@ -130,7 +130,7 @@ class LLMEngine:
         if batch.is_empty:
             return []
         f0 = time.perf_counter()
-        logits = self.runner.run(batch, self.block_manager)
+        logits = self.runner.run(batch)
         f1 = time.perf_counter()
         sample_rows, sample_requests = [], []
         for i, item in enumerate(batch.scheduled):

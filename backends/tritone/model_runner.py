@@ -9,7 +9,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from tritone import attention
-from tritone.block_manager import BlockManager
 from tritone.config import EngineConfig, resolve_device, resolve_dtype
 from tritone.scheduler import SchedulerOutput
 
@@ -54,8 +53,8 @@ class ModelRunner:
              torch.zeros(num_slots, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
             for _ in range(text_config.num_hidden_layers)
         ]
-        logger.warning("model %s on %s in %s, %d CPU threads; KV cache %d blocks of %d tokens", config.model,
-                       self.device, self.dtype, torch.get_num_threads(), self.num_blocks, self.block_size)
+        logger.info("model %s on %s in %s, %d CPU threads; KV cache %d blocks of %d tokens", config.model,
+                    self.device, self.dtype, torch.get_num_threads(), self.num_blocks, self.block_size)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         per_block = kv_bytes_per_token(self.hf_config, self.dtype) * self.block_size
@@ -66,33 +65,37 @@ class ModelRunner:
         return int(num_blocks)
 
     @torch.inference_mode()
-    def run(self, batch: SchedulerOutput, block_manager: BlockManager) -> torch.Tensor:
+    def run(self, batch: SchedulerOutput) -> torch.Tensor:
         """Computes the scheduled tokens; returns logits [num_scheduled, vocab] at each
         request's last scheduled position (rows of unfinished prefill chunks are unused)."""
-        input_ids, positions, slot_mapping, last_index = [], [], [], []
-        prefills, decodes = [], []
+        input_ids, positions, last_index = [], [], []
+        prefills, decodes, prefill_new_slots = [], [], []
         for item in batch.scheduled:
             req, start, n = item.request, item.request.num_computed_tokens, item.num_tokens
             first = len(input_ids)
             input_ids.extend(req.tokens_slice(start, start + n))
             positions.extend(range(start, start + n))
-            slot_mapping.extend(block_manager.slot(req, p) for p in range(start, start + n))
             last_index.append(len(input_ids) - 1)
             if n == 1:
                 decodes.append((req.block_ids, start + 1))
             else:
                 slots = self._slots(req.block_ids, start + n)
                 prefills.append((first, n, slots))
+                prefill_new_slots.append(slots[start:])
+        decode_slots = decode_mask = None
+        new_slots = prefill_new_slots
+        if decodes:
+            decode_slots, decode_mask, decode_new_slots = self._decode_slots(decodes)
+            # Decodes come first in the batch, so their new tokens' slots lead the mapping.
+            new_slots = [decode_new_slots] + prefill_new_slots
         meta = attention.AttentionMetadata(
             kv_caches=self.kv_caches,
-            slot_mapping=torch.tensor(slot_mapping, device=self.device),
+            slot_mapping=torch.cat(new_slots),
             num_decodes=len(decodes),
-            decode_slots=None,
-            decode_mask=None,
+            decode_slots=decode_slots,
+            decode_mask=decode_mask,
             prefills=prefills,
         )
-        if decodes:
-            meta.decode_slots, meta.decode_mask = self._decode_slots(decodes)
         out = self.model(
             input_ids=torch.tensor([input_ids], device=self.device),
             position_ids=torch.tensor([positions], device=self.device),
@@ -109,8 +112,8 @@ class ModelRunner:
         return slots[:context_len].to(self.device)
 
     def _decode_slots(self, decodes: list[tuple[list[int], int]]):
-        """Padded context slots [num_decodes, width] and a mask of the real ones, built from
-        the block tables with tensor ops (no per-token Python work)."""
+        """Padded context slots [num_decodes, width], a mask of the real ones, and each new
+        token's slot, built from the block tables with tensor ops (no per-token Python work)."""
         bs = self.block_size
         num_blocks = max(-(-ctx // bs) for _, ctx in decodes)
         table = torch.zeros(len(decodes), num_blocks, dtype=torch.long)
@@ -121,4 +124,5 @@ class ModelRunner:
         slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)[:, :width]
         lengths = torch.tensor([ctx for _, ctx in decodes])
         mask = (torch.arange(width)[None, :] < lengths[:, None]).view(len(decodes), 1, 1, width)
-        return slots.to(self.device), mask.to(self.device)
+        new_slots = slots[torch.arange(len(decodes)), lengths - 1]
+        return slots.to(self.device), mask.to(self.device), new_slots.to(self.device)
