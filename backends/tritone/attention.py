@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from transformers import AttentionInterface
 
+from tritone import kernels
+
 ATTN_IMPLEMENTATION = "tritone_paged"
 
 
@@ -24,8 +26,13 @@ class AttentionMetadata:
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: [num_slots, kv_heads, head_dim]
     slot_mapping: torch.Tensor  # [num_tokens]: where each new token's K/V goes
     num_decodes: int  # the first num_decodes tokens are one-token queries
+    # Decodes read the cache either in place through block tables (native CPU kernel) or from
+    # a padded gather of their context slots (torch path); the other pair is None.
+    decode_block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32
+    decode_context_lens: torch.Tensor | None  # [num_decodes] int32
     decode_slots: torch.Tensor | None  # [num_decodes, max_context]: context slots, padded
     decode_mask: torch.Tensor | None  # [num_decodes, 1, 1, max_context]: True where real
+    block_size: int
     # Prefill chunks: (first query token, number of query tokens, context slots [context_len]).
     prefills: list[tuple[int, int, torch.Tensor]]
 
@@ -41,7 +48,13 @@ def paged_attention(module, query, key, value, attention_mask, scaling=None, dro
     num_tokens = q.shape[1]
     out = q.new_empty(num_tokens, q.shape[0], q.shape[2])
     nd = meta.num_decodes
-    if nd:
+    if nd and meta.decode_block_tables is not None:
+        qd = q[:, :nd].transpose(0, 1).float()  # [nd, heads, D]
+        o = kernels.paged_decode_attention(qd, k_cache, v_cache, meta.decode_block_tables,
+                                           meta.decode_context_lens, meta.block_size,
+                                           scaling if scaling is not None else q.shape[-1] ** -0.5)
+        out[:nd] = o.to(out.dtype)
+    elif nd:
         k = _gather(k_cache, meta.decode_slots).transpose(1, 2)  # [nd, kv_heads, ctx, D]
         v = _gather(v_cache, meta.decode_slots).transpose(1, 2)
         qd = q[:, :nd].transpose(0, 1).unsqueeze(2)  # [nd, heads, 1, D]

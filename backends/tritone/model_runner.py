@@ -8,7 +8,7 @@ import os
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from tritone import attention
+from tritone import attention, kernels, layers
 from tritone.config import EngineConfig, resolve_device, resolve_dtype
 from tritone.scheduler import SchedulerOutput
 
@@ -40,11 +40,14 @@ class ModelRunner:
         self.model = AutoModelForCausalLM.from_pretrained(
             config.model, dtype=self.dtype, attn_implementation=attention.ATTN_IMPLEMENTATION
         ).to(self.device).eval()
+        if self.device.type == "cpu":
+            layers.transpose_linears(self.model)
         text_config = self.hf_config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = config.max_model_len or text_config.max_position_embeddings
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(config)
+        self.use_native_decode = kernels.is_supported(self.device, self.dtype)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
         num_slots = self.num_blocks * self.block_size
@@ -82,18 +85,24 @@ class ModelRunner:
                 slots = self._slots(req.block_ids, start + n)
                 prefills.append((first, n, slots))
                 prefill_new_slots.append(slots[start:])
-        decode_slots = decode_mask = None
+        tables = lengths = decode_slots = decode_mask = None
         new_slots = prefill_new_slots
         if decodes:
-            decode_slots, decode_mask, decode_new_slots = self._decode_slots(decodes)
+            tables, lengths, decode_new_slots = self._decode_tables(decodes)
+            if not self.use_native_decode:
+                decode_slots, decode_mask = self._padded_decode_slots(tables, lengths)
+                tables = lengths = None
             # Decodes come first in the batch, so their new tokens' slots lead the mapping.
             new_slots = [decode_new_slots] + prefill_new_slots
         meta = attention.AttentionMetadata(
             kv_caches=self.kv_caches,
             slot_mapping=torch.cat(new_slots),
             num_decodes=len(decodes),
+            decode_block_tables=tables,
+            decode_context_lens=lengths,
             decode_slots=decode_slots,
             decode_mask=decode_mask,
+            block_size=self.block_size,
             prefills=prefills,
         )
         out = self.model(
@@ -111,18 +120,25 @@ class ModelRunner:
         slots = (blocks[:, None] * self.block_size + torch.arange(self.block_size)).flatten()
         return slots[:context_len].to(self.device)
 
-    def _decode_slots(self, decodes: list[tuple[list[int], int]]):
-        """Padded context slots [num_decodes, width], a mask of the real ones, and each new
-        token's slot, built from the block tables with tensor ops (no per-token Python work)."""
+    def _decode_tables(self, decodes: list[tuple[list[int], int]]):
+        """Block tables [num_decodes, max_blocks] and context lengths [num_decodes] (int32, on
+        the device), and each new token's slot, with tensor ops (no per-token Python work)."""
         bs = self.block_size
         num_blocks = max(-(-ctx // bs) for _, ctx in decodes)
-        table = torch.zeros(len(decodes), num_blocks, dtype=torch.long)
+        table = torch.zeros(len(decodes), num_blocks, dtype=torch.int32)
         for i, (block_ids, ctx) in enumerate(decodes):
             row = block_ids[: -(-ctx // bs)]
-            table[i, :len(row)] = torch.tensor(row)
-        width = max(ctx for _, ctx in decodes)
-        slots = (table[:, :, None] * bs + torch.arange(bs)).view(len(decodes), -1)[:, :width]
-        lengths = torch.tensor([ctx for _, ctx in decodes])
-        mask = (torch.arange(width)[None, :] < lengths[:, None]).view(len(decodes), 1, 1, width)
-        new_slots = slots[torch.arange(len(decodes)), lengths - 1]
-        return slots.to(self.device), mask.to(self.device), new_slots.to(self.device)
+            table[i, :len(row)] = torch.tensor(row, dtype=torch.int32)
+        lengths = torch.tensor([ctx for _, ctx in decodes], dtype=torch.int32)
+        last = (lengths - 1).long()
+        new_slots = table[torch.arange(len(decodes)), last // bs].long() * bs + last % bs
+        return table.to(self.device), lengths.to(self.device), new_slots.to(self.device)
+
+    def _padded_decode_slots(self, table: torch.Tensor, lengths: torch.Tensor):
+        """Every decode's context slots, padded to the longest [num_decodes, width], and a mask
+        [num_decodes, 1, 1, width] of the real ones, for the gather-then-SDPA path."""
+        bs, n = self.block_size, table.shape[0]
+        width = int(lengths.max())
+        slots = (table.long()[:, :, None] * bs + torch.arange(bs, device=table.device)).view(n, -1)[:, :width]
+        mask = (torch.arange(width, device=table.device)[None, :] < lengths[:, None]).view(n, 1, 1, width)
+        return slots, mask

@@ -1,0 +1,101 @@
+"""Native CPU kernels from `csrc/`, compiled with the system C compiler at first use.
+
+The shared library is cached under the Tritone cache directory, keyed by the source and the
+CPU's feature flags (it is built with -march=native). Where no compiler is found or the build
+fails, `paged_decode_attention()` returns None and attention takes its torch path.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import pathlib
+import subprocess
+import tempfile
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_decode.c"
+# Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
+# infinities and NaNs keep their meaning.
+_FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
+          "-fno-trapping-math", "-shared", "-fPIC"]
+_lib: ctypes.CDLL | None = None
+_loaded = False
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _build() -> ctypes.CDLL:
+    from tritone.models import cache_root
+
+    source = _SOURCE.read_bytes()
+    key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
+    target = cache_root() / "kernels" / f"paged_decode-{key}.so"
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        compiler = os.environ.get("CC", "cc")
+        # Build beside the target and rename: processes that start together never load half a file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
+                           capture_output=True, text=True, timeout=120)
+            os.replace(tmp, target)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(target))
+    fn = lib.paged_decode_attention
+    fn.restype = ctypes.c_int
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def native_library() -> ctypes.CDLL | None:
+    """The compiled kernels, or None where they cannot be built (logged once)."""
+    global _lib, _loaded
+    if not _loaded:
+        _loaded = True
+        try:
+            _lib = _build()
+        except (OSError, subprocess.SubprocessError) as exc:
+            detail = getattr(exc, "stderr", "") or exc
+            logger.warning("native CPU attention unavailable, using the torch path: %s", detail)
+    return _lib
+
+
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
+                           scale: float) -> torch.Tensor:
+    """Attention of one query token per sequence over its cached context.
+
+    q: [num_seqs, num_heads, head_dim] float32; caches: [num_slots, num_kv_heads, head_dim] float32
+    or bfloat16; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32.
+    Returns [num_seqs, num_heads, head_dim] float32.
+    """
+    lib = native_library()
+    q = q.contiguous()
+    out = torch.empty_like(q)
+    num_seqs, num_heads, head_dim = q.shape
+    rc = lib.paged_decode_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim,
+        block_size, block_tables.shape[1], scale, int(k_cache.dtype == torch.bfloat16))
+    if rc != 0:
+        raise MemoryError("paged_decode_attention could not allocate its scratch space")
+    return out
+
+
+def is_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_library() is not None
