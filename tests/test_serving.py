@@ -1,11 +1,15 @@
-"""Parsing and validation of the llm model's inputs, and the responses it builds."""
+"""Parsing and validation of the models' inputs, and the responses the llm model builds, run
+through the postprocessing they feed, with the default model's tokenizer."""
+
+import json
 
 import numpy as np
 import pytest
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tritone.request import FinishReason, RequestOutput
-from tritone.serving import ResponseStream, parse_llm_request, text_list
-from tritone.text import to_word_list_tensor
+from tritone.serving import Postprocessor, Preprocessor, ResponseStream, parse_llm_request, parse_messages, text_list
+from tritone.text import Detokenizer
 
 
 def getter(**inputs):
@@ -13,10 +17,16 @@ def getter(**inputs):
     return lambda name: arrays.get(name)
 
 
+@pytest.fixture(scope="module")
+def detokenizer(tokenizer):
+    return Detokenizer(tokenizer)
+
+
 def test_defaults_are_greedy_and_exclude_the_prompt():
     req = parse_llm_request(getter(input_ids=np.array([1, 2], dtype=np.int32), max_tokens=[5]))
     assert req.params.is_greedy and req.params.max_tokens == 5
     assert req.exclude_input_in_output and not req.stream and req.params.end_id is None
+    assert req.skip_special_tokens and req.stop_words == []
 
 
 def test_old_and_new_names_both_work():
@@ -35,37 +45,143 @@ def test_missing_max_tokens_names_the_field():
         parse_llm_request(getter(input_ids=[1]))
 
 
-def test_stop_words_arrive_as_id_sequences():
-    req = parse_llm_request(getter(input_ids=[1], max_tokens=[5], stop_words_ids=to_word_list_tensor([[4, 5], [6]])))
-    assert req.params.stop_token_ids == [[4, 5], [6]]
+def test_stop_words_arrive_as_text():
+    words = np.array([b"\n\n", "é".encode()], object)
+    req = parse_llm_request(getter(input_ids=[1], max_tokens=[5], stop_words=words))
+    assert req.stop_words == ["\n\n", "é"] and req.params.stop_token_ids == []
 
 
 def test_text_list_refuses_empty_and_invalid_words():
-    with pytest.raises(ValueError, match="empty"):
+    with pytest.raises(ValueError, match="stop_words holds an empty"):
         text_list(getter(stop_words=np.array([b""], dtype=object)), "STOP_WORDS")
-    with pytest.raises(ValueError, match="UTF-8"):
+    with pytest.raises(ValueError, match="stop_words holds bytes that are not valid UTF-8"):
         text_list(getter(stop_words=np.array([b"\xff"], dtype=object)), "STOP_WORDS")
 
 
-def out(ids, finished=False, n_out=0):
-    return RequestOutput("r", ids, [0.0] * len(ids), 3, n_out, finished, FinishReason.LENGTH if finished else None)
+@pytest.mark.parametrize("raw, message", [
+    (b"[{\"role\": \"user\"", "messages is not valid JSON"),
+    (b"{\"role\": \"user\", \"content\": \"hi\"}", "messages must be a non-empty JSON list"),
+    (b"[]", "messages must be a non-empty JSON list"),
+    (b"[{\"role\": \"user\", \"content\": 3}]", r"messages\[0\] must be an object"),
+    (b"\xff", "messages is not valid UTF-8"),
+])
+def test_malformed_messages_name_the_field(raw, message):
+    with pytest.raises(ValueError, match=message):
+        parse_messages(raw)
 
 
-def test_streamed_responses_carry_context_and_the_final_flag():
+def test_preprocessing_fails_each_bad_request_alone(model_dir, tokenizer):
+    pre = Preprocessor({"model_dir": str(model_dir)})
+    chat = json.dumps([{"role": "user", "content": "Hi"}]).encode()
+    results = pre([
+        getter(text_input=np.array([b"Hi"], object)),
+        getter(messages=np.array([b"not json"], object)),
+        getter(messages=np.array([chat], object)),
+        getter(text_input=np.array([b"Hi"], object), messages=np.array([chat], object)),
+        getter(messages=np.array([chat], object), apply_chat_template=[False]),
+        getter(),
+    ])
+    assert results[0]["INPUT_IDS"].tolist() == results[2]["INPUT_IDS"].tolist()
+    assert tokenizer.decode(results[2]["INPUT_IDS"]).startswith("<|im_start|>")
+    assert "messages is not valid JSON" in str(results[1])
+    assert "not both" in str(results[3])
+    assert "messages always go through the chat template" in str(results[4])
+    assert "text_input is missing" in str(results[5])
+
+
+def output(ids, finished=False, reason=None, n_out=0):
+    return RequestOutput("r", list(ids), [-0.5] * len(ids), 3, n_out, finished, reason)
+
+
+def run(stream: ResponseStream, detok: Detokenizer, outputs: list[RequestOutput]):
+    """Feeds engine outputs to the stream and its responses to postprocessing, as the ensemble
+    does; returns the texts the client receives and the last response's tensors."""
+    post, texts, last = Postprocessor(detok), [], None
+    for out in outputs:
+        tensors = stream.on_output(out)
+        if tensors is not None:
+            assert last is None or not last["IS_FINAL"][0], "a response after the final one"
+            texts.append(post.text(lambda name: tensors.get(name)))
+            last = tensors
+    return texts, last
+
+
+def test_streamed_responses_carry_context_and_the_final_flag(detokenizer):
     req = parse_llm_request(getter(input_ids=[1, 2, 3], max_tokens=[3], stream=[True]))
-    stream = ResponseStream(req)
-    first = stream.on_output(out([10], n_out=1))
-    second = stream.on_output(out([11], n_out=2))
-    last = stream.on_output(out([12], finished=True, n_out=3))
+    stream = ResponseStream(req, detokenizer)
+    first = stream.on_output(output([10], n_out=1))
+    second = stream.on_output(output([11, 12], n_out=3))  # the sender may merge two steps' outputs
+    last = stream.on_output(output([], finished=True, reason=FinishReason.LENGTH, n_out=3))
     assert first["TOKEN_IDS"].tolist() == [10] and first["CONTEXT_IDS"].tolist() == []
-    assert second["CONTEXT_IDS"].tolist() == [10] and not second["IS_FINAL"][0]
+    assert second["TOKEN_IDS"].tolist() == [11, 12] and second["CONTEXT_IDS"].tolist() == [10]
+    assert not second["IS_FINAL"][0] and second["NUM_OUTPUT_TOKENS"].tolist() == [3]
+    assert second["OUTPUT_LOG_PROBS"].tolist() == [-0.5, -0.5]
     assert last["IS_FINAL"][0] and last["FINISH_REASON"][0] == b"length"
+    assert last["CONTEXT_IDS"].tolist() == [10, 11, 12] and last["CUM_LOG_PROBS"].tolist() == [-1.5]
 
 
-def test_non_streamed_request_gets_one_response_with_everything():
+def test_non_streamed_request_gets_one_response_with_everything(detokenizer):
     req = parse_llm_request(getter(input_ids=[1, 2, 3], max_tokens=[2], exclude_input_in_output=[False]))
-    stream = ResponseStream(req)
-    assert stream.on_output(out([10], n_out=1)) is None
-    final = stream.on_output(out([11], finished=True, n_out=2))
+    stream = ResponseStream(req, detokenizer)
+    assert stream.on_output(output([10], n_out=1)) is None
+    final = stream.on_output(output([11], finished=True, reason=FinishReason.LENGTH, n_out=2))
     assert final["TOKEN_IDS"].tolist() == [1, 2, 3, 10, 11]
-    assert final["NUM_OUTPUT_TOKENS"].tolist() == [2]
+    assert final["NUM_OUTPUT_TOKENS"].tolist() == [2] and final["NUM_INPUT_TOKENS"].tolist() == [3]
+    assert final["OUTPUT_LOG_PROBS"].tolist() == [-0.5, -0.5]
+
+
+ANSWERS = ["The capital of France is Paris. It is known as the city of light.",
+           "def add(a, b):\n    return a + b\n\n\nprint(add(1, 2))",
+           "東京は日本の首都です。🇯🇵 人口は約1400万人 👨‍👩‍👧 مرحبا नमस्ते"]
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(answer=st.sampled_from(ANSWERS), data=st.data(), stream=st.booleans(),
+       steps=st.lists(st.integers(1, 4), max_size=80))
+def test_a_stop_word_ends_the_answer_right_before_it(detokenizer, tokenizer, answer, data, stream, steps):
+    ids = tokenizer(answer, add_special_tokens=False).input_ids
+    full = tokenizer.decode(ids)
+    start = data.draw(st.integers(0, len(full) - 1))
+    word = full[start:start + data.draw(st.integers(1, 6))]
+    req = parse_llm_request(getter(input_ids=[1, 2], max_tokens=[len(ids)], stream=[stream],
+                                   stop_words=np.array([b"\x00never", word.encode()], object)))
+    outputs, sent, sizes = [], 0, iter(steps)
+    while sent < len(ids):  # the engine's outputs, several tokens each when the sender merges them
+        n = min(len(ids) - sent, next(sizes, 1))
+        outputs.append(output(ids[sent:sent + n], sent + n == len(ids), FinishReason.LENGTH, sent + n))
+        sent += n
+    stream_ = ResponseStream(req, detokenizer)
+    texts, last = run(stream_, detokenizer, outputs)
+    expected = full[:full.find(word)]
+    assert "".join(texts) == expected
+    # Streamed text never shows a start of the stop word that is taken back later.
+    for k in range(len(texts)):
+        assert expected.startswith("".join(texts[:k + 1]))
+    assert last["IS_FINAL"][0] and last["FINISH_REASON"][0] == b"stop"
+    # Counted up to and including the token where the stop word starts (its first character completes).
+    n_out = last["NUM_OUTPUT_TOKENS"][0]
+    assert len(detokenizer.final_text(ids[:n_out - 1])) <= full.find(word) < len(detokenizer.final_text(ids[:n_out]))
+    assert len(last["OUTPUT_LOG_PROBS"]) == (n_out if not stream else len(last["TOKEN_IDS"]))
+    assert stream_.on_output(output(ids[:1], n_out=len(ids) + 1)) is None
+
+
+def test_a_started_stop_word_that_never_completes_is_released_at_the_end(detokenizer, tokenizer):
+    ids = tokenizer("The capital of France is Paris.", add_special_tokens=False).input_ids
+    req = parse_llm_request(getter(input_ids=[1], max_tokens=[len(ids)], stream=[True],
+                                   stop_words=np.array([b"Paris!"], object)))
+    outputs = [output([t], i == len(ids) - 1, FinishReason.LENGTH) for i, t in enumerate(ids)]
+    texts, last = run(ResponseStream(req, detokenizer), detokenizer, outputs)
+    assert "".join(texts) == tokenizer.decode(ids)
+    assert "Paris" in texts[-1]  # held back while it could still become "Paris!"
+    assert last["FINISH_REASON"][0] == b"length" and last["NUM_OUTPUT_TOKENS"][0] == len(ids)
+
+
+def test_stop_words_are_not_looked_for_in_an_echoed_prompt(detokenizer, tokenizer):
+    prompt = tokenizer("Say Paris twice:", add_special_tokens=False).input_ids
+    answer = tokenizer(" Paris, Paris", add_special_tokens=False).input_ids
+    req = parse_llm_request(getter(input_ids=prompt, max_tokens=[9], stream=[True], exclude_input_in_output=[False],
+                                   stop_words=np.array([b"Paris"], object)))
+    outputs = [output([t], False) for t in answer]
+    texts, last = run(ResponseStream(req, detokenizer), detokenizer, outputs)
+    assert "".join(texts) == "Say Paris twice: "
+    assert last["NUM_OUTPUT_TOKENS"][0] == 1 and last["FINISH_REASON"][0] == b"stop"

@@ -6,13 +6,14 @@ and send the dicts of arrays returned here, so all parsing and validation is tes
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 
 from tritone.request import FinishReason, RequestOutput, SamplingParams
-from tritone.text import context_window, from_word_list_tensor
+from tritone.text import Detokenizer, StopMatcher, from_word_list_tensor
 
 Getter = Callable[[str], "np.ndarray | None"]
 
@@ -57,6 +58,22 @@ def decode_text(raw, name: str = "text_input") -> str:
     return text
 
 
+def parse_messages(raw) -> list[dict]:
+    """Chat messages from the `messages` input: a JSON list of {"role": ..., "content": ...}."""
+    text = decode_text(raw, "messages")
+    try:
+        messages = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"messages is not valid JSON: {exc}") from None
+    if not isinstance(messages, list) or not messages:
+        raise ValueError('messages must be a non-empty JSON list of {"role": ..., "content": ...} objects')
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
+                and isinstance(message.get("content"), str)):
+            raise ValueError(f"messages[{i}] must be an object with a string role and a string content")
+    return messages
+
+
 @dataclass(slots=True)
 class LLMRequest:
     prompt_ids: list[int]
@@ -64,6 +81,8 @@ class LLMRequest:
     stream: bool
     exclude_input_in_output: bool
     skip_special_tokens: bool
+    # Matched on the generated text by ResponseStream; the engine knows nothing of them.
+    stop_words: list[str] = field(default_factory=list)
 
 
 def parse_llm_request(get: Getter) -> LLMRequest:
@@ -93,7 +112,6 @@ def parse_llm_request(get: Getter) -> LLMRequest:
         min_tokens=int(scalar(get, "MIN_TOKENS", scalar(get, "MIN_LENGTH", 0))),
         end_id=None if get("END_ID") is None else int(scalar(get, "END_ID")),
         seed=None if seed is None else int(seed),
-        stop_token_ids=_word_ids(get, "STOP_WORDS_IDS"),
         bad_token_ids=_word_ids(get, "BAD_WORDS_IDS"),
         return_log_probs=bool(scalar(get, "RETURN_LOG_PROBS", False)),
     )
@@ -103,6 +121,7 @@ def parse_llm_request(get: Getter) -> LLMRequest:
         stream=bool(scalar(get, "STREAM", False)),
         exclude_input_in_output=bool(scalar(get, "EXCLUDE_INPUT_IN_OUTPUT", True)),
         skip_special_tokens=bool(scalar(get, "SKIP_SPECIAL_TOKENS", True)),
+        stop_words=text_list(get, "STOP_WORDS"),
     )
 
 
@@ -113,40 +132,71 @@ def _word_ids(get: Getter, name: str) -> list[list[int]]:
 
 @dataclass(slots=True)
 class ResponseStream:
-    """One request's output side in the `llm` model: turns engine outputs into responses."""
+    """One request's output side in the `llm` model: turns engine outputs into responses.
+
+    It runs in the engine's sender thread. Every response carries the ids not sent before and
+    the context a stateless postprocessing needs to decode them. With stop words it also decodes
+    the ids itself, holds back those whose text could begin a stop word, and on a match sends the
+    final response early (the caller then aborts the engine's request with reason "stop").
+    """
 
     request: LLMRequest
+    detokenizer: Detokenizer
     # Ids the client sees: the prompt first when it asked for it, then the generated ids.
     ids: list[int] = field(default_factory=list)
+    num_prompt_ids: int = 0
     log_probs: list[float] = field(default_factory=list)
-    num_pending: int = 0
+    num_sent: int = 0
+    stop: StopMatcher | None = None
+    is_finished: bool = False
 
     def __post_init__(self):
         if not self.request.exclude_input_in_output:
             self.ids.extend(self.request.prompt_ids)
-            self.num_pending = len(self.ids)
+            self.num_prompt_ids = len(self.ids)
+        if self.request.stop_words:
+            self.stop = StopMatcher(self.detokenizer, self.request.stop_words, self.request.skip_special_tokens,
+                                    self.ids)
 
     def on_output(self, output: RequestOutput) -> dict[str, np.ndarray] | None:
-        """The response tensors for this output, or None while a non-streamed request runs."""
+        """The response tensors for this output (which may carry several new tokens), or None
+        while there is nothing to send; None for anything after the final response."""
+        if self.is_finished:
+            return None
         self.ids.extend(output.new_token_ids)
         self.log_probs.extend(output.new_log_probs)
-        self.num_pending += len(output.new_token_ids)
-        if not self.request.stream and not output.finished:
+        end, num_dropped, reason = len(self.ids), 0, output.finish_reason
+        if self.stop is not None:
+            stop_start = self.stop.feed(self.ids, output.finished)
+            if stop_start is not None:
+                end, num_dropped = self.stop.cut(self.ids, stop_start, self.num_sent)
+                reason = FinishReason.STOP
+            elif not output.finished:
+                end = self.stop.num_safe_ids()
+        final = output.finished or reason == FinishReason.STOP
+        if not final and (not self.request.stream or end == self.num_sent):
             return None
-        num_new = self.num_pending
-        self.num_pending = 0
-        reason = output.finish_reason.value if output.finish_reason else ""
+        return self._response(end, final, reason, num_dropped)
+
+    def _response(self, end: int, final: bool, reason: FinishReason | None,
+                  num_dropped: int) -> dict[str, np.ndarray]:
+        skip = self.request.skip_special_tokens
+        context = self.detokenizer.context(self.ids, self.num_sent, skip)
+        new_ids = self.ids[self.num_sent:end]
+        first, last = max(0, self.num_sent - self.num_prompt_ids), end - self.num_prompt_ids
+        self.num_sent, self.is_finished = end, final
         return {
-            "TOKEN_IDS": np.array(self.ids[len(self.ids) - num_new:], dtype=np.int32),
-            "CONTEXT_IDS": np.array(context_window(self.ids, num_new), dtype=np.int32),
-            "IS_FINAL": np.array([output.finished]),
-            "SKIP_SPECIAL_TOKENS": np.array([self.request.skip_special_tokens]),
-            "NUM_INPUT_TOKENS": np.array([output.num_prompt_tokens], dtype=np.int32),
-            "NUM_OUTPUT_TOKENS": np.array([output.num_output_tokens], dtype=np.int32),
-            "CUM_LOG_PROBS": np.array([sum(self.log_probs)], dtype=np.float32),
-            "OUTPUT_LOG_PROBS": np.array(self.log_probs[len(self.log_probs) - len(output.new_log_probs):]
-                                         if self.request.stream else self.log_probs, dtype=np.float32),
-            "FINISH_REASON": np.array([reason.encode()], dtype=np.object_),
+            "TOKEN_IDS": np.array(new_ids, dtype=np.int32),
+            "CONTEXT_IDS": np.array(context, dtype=np.int32),
+            "IS_FINAL": np.array([final]),
+            "SKIP_SPECIAL_TOKENS": np.array([skip]),
+            "NUM_DROPPED_CHARS": np.array([num_dropped], dtype=np.int32),
+            "NUM_INPUT_TOKENS": np.array([len(self.request.prompt_ids)], dtype=np.int32),
+            # Generated tokens sent so far: after a stop word, up to the one where it starts.
+            "NUM_OUTPUT_TOKENS": np.array([last], dtype=np.int32),
+            "CUM_LOG_PROBS": np.array([sum(self.log_probs[:last])], dtype=np.float32),
+            "OUTPUT_LOG_PROBS": np.array(self.log_probs[first:last], dtype=np.float32),
+            "FINISH_REASON": np.array([(reason.value if final and reason else "").encode()], dtype=np.object_),
         }
 
 
@@ -183,36 +233,37 @@ class Preprocessor:
         from tritone.text import to_word_list_tensor
 
         results: list = [None] * len(getters)
-        texts, flags, index = [], [], []
+        prepared, index = [], []
         for i, get in enumerate(getters):
             try:
-                raw = get("TEXT_INPUT")
-                if raw is None:
-                    raise ValueError("text_input is missing")
-                texts.append(decode_text(raw.reshape(-1)[0]))
+                name, prompt = self._prompt(get)
                 flag = scalar(get, "APPLY_CHAT_TEMPLATE")
-                flags.append(None if flag is None else bool(flag))
-                results[i] = {
-                    "STOP_WORDS_IDS": to_word_list_tensor(self.encoder.encode_words(text_list(get, "STOP_WORDS"))),
-                    "BAD_WORDS_IDS": to_word_list_tensor(self.encoder.encode_words(text_list(get, "BAD_WORDS"))),
-                }
-                index.append(i)
+                text = self.encoder.prepare(prompt, None if flag is None else bool(flag))
+                bad_words = self.encoder.encode_bad_words(text_list(get, "BAD_WORDS"))
             except ValueError as exc:
                 results[i] = exc
-        if texts:
-            try:
-                encoded = self.encoder.encode(texts, flags)
-            except ValueError as exc:
-                encoded = [exc] * len(texts)
-            for i, ids in zip(index, encoded):
-                if isinstance(ids, ValueError):
-                    results[i] = ids
-                elif self.max_input_len and len(ids) > self.max_input_len:
-                    results[i] = ValueError(f"text_input is {len(ids)} tokens long, over the limit of "
-                                            f"{self.max_input_len} tokens")
-                else:
-                    results[i]["INPUT_IDS"] = np.array(ids, dtype=np.int32)
+                continue
+            results[i] = {"BAD_WORDS_IDS": to_word_list_tensor(bad_words)}
+            prepared.append(text)
+            index.append((i, name))
+        for (i, name), ids in zip(index, self.encoder.tokenize(prepared) if prepared else []):
+            if self.max_input_len and len(ids) > self.max_input_len:
+                results[i] = ValueError(f"{name} is {len(ids)} tokens long, over the limit of "
+                                        f"{self.max_input_len} tokens")
+            else:
+                results[i]["INPUT_IDS"] = np.array(ids, dtype=np.int32)
         return results
+
+    @staticmethod
+    def _prompt(get: Getter) -> tuple[str, str | list[dict]]:
+        text, messages = get("TEXT_INPUT"), get("MESSAGES")
+        if text is not None and messages is not None:
+            raise ValueError("give either text_input or messages, not both")
+        if messages is not None:
+            return "messages", parse_messages(messages.reshape(-1)[0])
+        if text is None:
+            raise ValueError("text_input is missing (or send chat messages as messages)")
+        return "text_input", decode_text(text.reshape(-1)[0])
 
 
 class Postprocessor:
@@ -220,28 +271,34 @@ class Postprocessor:
 
     PASS_THROUGH = ("NUM_INPUT_TOKENS", "NUM_OUTPUT_TOKENS", "CUM_LOG_PROBS", "OUTPUT_LOG_PROBS", "FINISH_REASON")
 
-    def __init__(self, params: dict[str, str]):
+    def __init__(self, detokenizer: Detokenizer):
+        self.detokenizer = detokenizer
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str]) -> "Postprocessor":
         from tritone.text import load_tokenizer
 
-        self.tokenizer = load_tokenizer(params["model_dir"])
+        return cls(Detokenizer(load_tokenizer(params["model_dir"])))
 
     def __call__(self, getters: list[Getter]) -> list[dict[str, np.ndarray]]:
-        from tritone.text import decode_delta
-
         results = []
         for get in getters:
-            text = decode_delta(
-                self.tokenizer,
-                get("CONTEXT_IDS").reshape(-1).tolist(),
-                get("TOKEN_IDS").reshape(-1).tolist(),
-                is_final=bool(scalar(get, "IS_FINAL")),
-                skip_special_tokens=bool(scalar(get, "SKIP_SPECIAL_TOKENS", True)),
-            )
-            out = {"TEXT_OUTPUT": np.array([text.encode("utf-8")], dtype=np.object_)}
+            out = {"TEXT_OUTPUT": np.array([self.text(get).encode("utf-8")], dtype=np.object_)}
             for name in self.PASS_THROUGH:
                 out["OUT_" + name] = get(name).reshape(-1)
             results.append(out)
         return results
+
+    def text(self, get: Getter) -> str:
+        text = self.detokenizer.delta(
+            get("CONTEXT_IDS").reshape(-1).tolist(),
+            get("TOKEN_IDS").reshape(-1).tolist(),
+            is_final=bool(scalar(get, "IS_FINAL")),
+            skip_special_tokens=bool(scalar(get, "SKIP_SPECIAL_TOKENS", True)),
+        )
+        # A stop word begins inside this chunk's text: it ends right before it.
+        num_dropped = int(scalar(get, "NUM_DROPPED_CHARS", 0))
+        return text[:len(text) - num_dropped] if num_dropped else text
 
 
 def triton_getter(pb_utils, request) -> Getter:

@@ -16,7 +16,9 @@ import triton_python_backend_utils as pb_utils
 from tritone.config import EngineConfig
 from tritone.engine import AsyncEngine, LLMEngine
 from tritone.metrics import EngineMetrics
+from tritone.request import FinishReason
 from tritone.serving import ResponseStream, error_message, model_parameters, parse_llm_request, triton_getter
+from tritone.text import Detokenizer, load_tokenizer
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How often client cancellations are looked for (about one decode step), and metrics reported.
@@ -34,6 +36,8 @@ class TritonPythonModel:
         self.final_lock = threading.Lock()
         self.ids = itertools.count()
         engine = LLMEngine(config)
+        # Decodes for stop words, and finds where each chunk's decoding context starts.
+        self.detokenizer = Detokenizer(load_tokenizer(params["model_dir"]))
         self.metrics = EngineMetrics(pb_utils, engine)
         self.engine = AsyncEngine(engine, self._send)
         self.engine.start()
@@ -47,7 +51,7 @@ class TritonPythonModel:
             request_id = str(next(self.ids))
             try:
                 parsed = parse_llm_request(triton_getter(pb_utils, request))
-                self.streams[request_id] = (ResponseStream(parsed), sender)
+                self.streams[request_id] = (ResponseStream(parsed, self.detokenizer), sender)
                 self.engine.submit(request_id, parsed.prompt_ids, parsed.params)
             except (ValueError, RuntimeError) as exc:
                 with self.final_lock:
@@ -56,7 +60,10 @@ class TritonPythonModel:
         return None
 
     def _send(self, output):
-        stream, sender = self.streams[output.request_id]
+        entry = self.streams.get(output.request_id)
+        if entry is None:  # the engine's outputs after a stop word already ended the stream
+            return
+        stream, sender = entry
         message = error_message(output)
         if message is not None:
             response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
@@ -65,7 +72,9 @@ class TritonPythonModel:
             if tensors is None:
                 return
             response = pb_utils.InferenceResponse([pb_utils.Tensor(n, a[None]) for n, a in tensors.items()])
-        if not output.finished:
+            if stream.is_finished and not output.finished:
+                self.engine.abort(output.request_id, FinishReason.STOP)
+        if not (output.finished or stream.is_finished):
             sender.send(response)
             return
         with self.final_lock:

@@ -14,7 +14,7 @@ from tritone.serving import Postprocessor, model_parameters, triton_getter
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.postprocess = Postprocessor(model_parameters(json.loads(args["model_config"])))
+        self.postprocess = Postprocessor.from_parameters(model_parameters(json.loads(args["model_config"])))
 
     def execute(self, requests):
         results = self.postprocess([triton_getter(pb_utils, r) for r in requests])
