@@ -23,6 +23,8 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--frequency-penalty", type=float)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", default=None, help="stop word (repeatable)")
+    p.add_argument("--bad-word", action="append", default=None, dest="bad_words",
+                   help="word never to generate (repeatable)")
 
 
 def _sampling(args) -> dict:
@@ -31,10 +33,10 @@ def _sampling(args) -> dict:
     return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
 
 
-def _print_answer(client: TritoneClient, prompt: str, args, **extra) -> str:
+def _print_answer(client: TritoneClient, prompt: str | list[dict], args, **extra) -> str:
     text = []
     for chunk in client.generate(prompt, max_tokens=args.max_tokens, stream=not args.no_stream,
-                                 stop_words=args.stop, **_sampling(args), **extra):
+                                 stop_words=args.stop, bad_words=args.bad_words, **_sampling(args), **extra):
         sys.stdout.write(chunk.text)
         sys.stdout.flush()
         text.append(chunk.text)
@@ -55,14 +57,6 @@ def cmd_generate(args) -> int:
 
 
 def cmd_chat(args) -> int:
-    from transformers import AutoTokenizer
-
-    from tritone.models import resolve_model
-
-    tokenizer = AutoTokenizer.from_pretrained(resolve_model(args.tokenizer))
-    if not tokenizer.chat_template:
-        print(f"error: {args.tokenizer or 'the default model'} has no chat template", file=sys.stderr)
-        return 2
     messages = [{"role": "system", "content": args.system}] if args.system else []
     turns = list(args.message) if args.message else None
     with _client(args) as client:
@@ -77,8 +71,8 @@ def cmd_chat(args) -> int:
                 except EOFError:
                     return 0
             messages.append({"role": "user", "content": user})
-            prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-            answer = _print_answer(client, prompt, args, apply_chat_template=False)
+            # The server puts the messages in the model's chat template.
+            answer = _print_answer(client, messages, args)
             messages.append({"role": "assistant", "content": answer})
 
 
@@ -92,7 +86,6 @@ def build_parser() -> argparse.ArgumentParser:
     gen.set_defaults(func=cmd_generate)
     chat = sub.add_parser("chat", help="a conversation in the model's chat template (reads lines from stdin)")
     _add_common(chat)
-    chat.add_argument("--tokenizer", help="model directory whose chat template to use (default: the default model)")
     chat.add_argument("--system", help="system message")
     chat.add_argument("--message", action="append", help="send these turns instead of reading stdin (repeatable)")
     chat.set_defaults(func=cmd_chat)

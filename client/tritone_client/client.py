@@ -59,10 +59,12 @@ class TritoneClient:
     def __exit__(self, *exc):
         self.close()
 
-    def generate(self, prompt: str, max_tokens: int = 64, stream: bool = False,
+    def generate(self, prompt: str | list[dict], max_tokens: int = 64, stream: bool = False,
                  stop_words: list[str] | None = None, bad_words: list[str] | None = None,
                  **params) -> Iterator[Chunk]:
-        """Yields chunks as they arrive; `params` are any of the ensemble's optional inputs."""
+        """Yields chunks as they arrive. `prompt` is a text, or chat messages ({"role", "content"}
+        dicts) that the server puts in the model's chat template; `params` are any of the
+        ensemble's optional inputs."""
         values = {"max_tokens": max_tokens, "stream": stream, **{k: v for k, v in params.items() if v is not None}}
         # The ensemble holds a decoupled model, which Triton serves only over gRPC streams and
         # the HTTP generate endpoints; `stream` says whether the answer comes in pieces.
@@ -71,13 +73,18 @@ class TritoneClient:
         else:
             yield from self._grpc_stream(self._inputs(prompt, values, stop_words, bad_words))
 
-    def complete(self, prompt: str, **kwargs) -> Chunk:
+    def complete(self, prompt: str | list[dict], **kwargs) -> Chunk:
         """The whole completion of a non-streamed request."""
         return next(iter(self.generate(prompt, stream=False, **kwargs)))
 
+    def chat(self, messages: list[dict], **kwargs) -> Iterator[Chunk]:
+        """The next assistant turn after `messages`, in chunks."""
+        return self.generate(list(messages), **kwargs)
+
     def _inputs(self, prompt, values, stop_words, bad_words):
         t = self._triton
-        arrays = {"text_input": np.array([[prompt.encode("utf-8")]], dtype=np.object_)}
+        name, text = _prompt_input(prompt)
+        arrays = {name: np.array([[text.encode("utf-8")]], dtype=np.object_)}
         for name, words in (("stop_words", stop_words), ("bad_words", bad_words)):
             if words:
                 arrays[name] = np.array([[w.encode("utf-8") for w in words]], dtype=np.object_)
@@ -111,7 +118,8 @@ class TritoneClient:
             self._client.stop_stream()
 
     def _http_generate(self, prompt, values, stop_words, bad_words) -> Iterator[Chunk]:
-        body = {"text_input": prompt, **values}
+        name, text = _prompt_input(prompt)
+        body = {name: text, **values}
         if stop_words:
             body["stop_words"] = stop_words
         if bad_words:
@@ -140,6 +148,13 @@ class TritoneClient:
                 if "error" in event:
                     raise RuntimeError(event["error"])
                 yield _chunk(lambda name: np.array(event[name]) if name in event else None)
+
+
+def _prompt_input(prompt) -> tuple[str, str]:
+    """The ensemble input a prompt goes in: text_input, or messages as a JSON string."""
+    if isinstance(prompt, str):
+        return "text_input", prompt
+    return "messages", json.dumps(list(prompt), ensure_ascii=False)
 
 
 def _triton_dtype(dtype) -> str:
