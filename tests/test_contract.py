@@ -12,9 +12,10 @@ from tritone_client import TritoneClient
 
 pytestmark = pytest.mark.integration
 
-# Raw continuations (no chat template) that a small model, sampled hot, answers with many
-# characters of several bytes split over byte-level tokens.
-HOT_PROMPTS = [("东京是日本的首都，也是", 3), ("Emoji story: 🐶🐱🐭🐹🐰🦊", 5)]
+# Raw continuations (no chat template) that a small model, sampled hot, answers with characters
+# of several bytes split over byte-level tokens: CJK, emoji with a ZWJ, and with these seeds also
+# a lead byte that no continuation byte follows (a U+FFFD in the full decode itself).
+HOT_PROMPTS = [("东京是日本的首都，也是", 2), ("Emoji story: 🐶🐱🐭🐹🐰🦊", 1)]
 HOT = dict(max_tokens=32, temperature=1.3, apply_chat_template=False)
 
 
@@ -64,7 +65,7 @@ def test_hot_sampled_stream_equals_the_whole_answer_and_the_full_decode(hot_answ
         assert whole.num_output_tokens == 32 and whole.finish_reason == "length"
         assert streamed.count("\ufffd") == full_decode.count("\ufffd")
     # The answers did hold characters of several bytes, where a split character would show.
-    assert sum(ord(c) > 0x7FF for streamed, _, _ in hot_answers for c in streamed) >= 5
+    assert sum(ord(c) > 0x7FF for streamed, _, _ in hot_answers for c in streamed) >= 3
 
 
 def test_a_stop_word_from_the_middle_of_the_answer_cuts_it_right_before(grpc, http, hot_answers):
