@@ -2,12 +2,13 @@
 temperature, text stop words, bad words, chat messages, echo and special tokens, old and new names."""
 
 import json
+import time
 
 import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from test_integration import QUESTION, grpc_inputs, post, sse_events
+from test_integration import QUESTION, grpc_inputs, metric_values, post, sse_events
 from tritone_client import TritoneClient
 
 pytestmark = pytest.mark.integration
@@ -92,6 +93,18 @@ def test_http_streaming_stops_at_a_stop_word_too(server):
     events = sse_events(streamed)
     assert "".join(e["text_output"] for e in events) == text[:text.index(word)]
     assert events[-1]["finish_reason"] == "stop"
+
+
+def test_a_stopped_request_leaves_the_engine_at_once(server, grpc):
+    prompt = "Count to one hundred:"
+    head = grpc.complete(prompt, max_tokens=12, end_id=-1).text
+    word = head[len(head) // 2:][:2]
+    # Without its abort, the engine would go on for 400 tokens, far longer than the wait below.
+    answer = grpc.complete(prompt, max_tokens=400, end_id=-1, stop_words=[word])
+    assert answer.finish_reason == "stop" and answer.num_output_tokens <= 12
+    time.sleep(2.5)  # the engine reports once a second
+    values = metric_values(server)
+    assert values["tritone_num_requests_running"] == 0 and values["tritone_kv_blocks_used"] == 0
 
 
 def test_bad_words_never_appear(grpc):
