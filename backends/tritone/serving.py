@@ -298,7 +298,7 @@ class Postprocessor:
         )
         # A stop word begins inside this chunk's text: it ends right before it.
         num_dropped = int(scalar(get, "NUM_DROPPED_CHARS", 0))
-        return text[:len(text) - num_dropped] if num_dropped else text
+        return text[:max(0, len(text) - num_dropped)]
 
 
 def triton_getter(pb_utils, request) -> Getter:
