@@ -128,3 +128,20 @@ def _shared_engine(model_dir):
     if "e" not in _ENGINES:
         _ENGINES["e"] = make_engine(model_dir)
     return _ENGINES["e"]
+
+
+def test_merged_outputs_keep_each_requests_tokens_in_order():
+    from tritone.engine import merge_outputs
+    from tritone.request import RequestOutput
+
+    def out(rid, ids, n, finished=False):
+        return RequestOutput(rid, ids, [0.5] * len(ids), 3, n, finished,
+                             FinishReason.LENGTH if finished else None)
+
+    merged = merge_outputs([out("a", [1], 1), out("b", [7], 1), out("a", [2], 2),
+                            out("b", [8, 9], 3), out("a", [3], 3, finished=True)])
+    assert [m.request_id for m in merged] == ["a", "b"]
+    a, b = merged
+    assert (a.new_token_ids, a.new_log_probs, a.num_output_tokens) == ([1, 2, 3], [0.5] * 3, 3)
+    assert a.finished and a.finish_reason == FinishReason.LENGTH
+    assert (b.new_token_ids, b.num_output_tokens, b.finished) == ([7, 8, 9], 3, False)
