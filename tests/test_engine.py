@@ -55,6 +55,13 @@ def test_staggered_greedy_batch_equals_hf_alone(model_dir, prompt_ids, expected,
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_torch_decode_attention_path_equals_hf(model_dir, prompt_ids, expected):
+    # The gather-then-SDPA path that CUDA (and CPUs without a C compiler) take.
+    engine = make_engine(model_dir)
+    engine.runner.use_native_decode = False
+    assert run_staggered(engine, prompt_ids) == expected
+
+
 def test_preemption_under_a_tiny_cache_keeps_answers(model_dir, prompt_ids, expected):
     # 48 blocks of 4 tokens cannot hold 16 requests at once: admission fills the cache, decodes
     # then outgrow it, and the newest requests are preempted and recomputed.
