@@ -55,6 +55,13 @@ def test_staggered_greedy_batch_equals_hf_alone(model_dir, prompt_ids, expected,
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_torch_decode_attention_path_equals_hf(model_dir, prompt_ids, expected):
+    # The gather-then-SDPA path that CUDA (and CPUs without a C compiler) take.
+    engine = make_engine(model_dir)
+    engine.runner.use_native_decode = False
+    assert run_staggered(engine, prompt_ids) == expected
+
+
 def test_preemption_under_a_tiny_cache_keeps_answers(model_dir, prompt_ids, expected):
     # 48 blocks of 4 tokens cannot hold 16 requests at once: admission fills the cache, decodes
     # then outgrow it, and the newest requests are preempted and recomputed.
@@ -128,3 +135,20 @@ def _shared_engine(model_dir):
     if "e" not in _ENGINES:
         _ENGINES["e"] = make_engine(model_dir)
     return _ENGINES["e"]
+
+
+def test_merged_outputs_keep_each_requests_tokens_in_order():
+    from tritone.engine import merge_outputs
+    from tritone.request import RequestOutput
+
+    def out(rid, ids, n, finished=False):
+        return RequestOutput(rid, ids, [0.5] * len(ids), 3, n, finished,
+                             FinishReason.LENGTH if finished else None)
+
+    merged = merge_outputs([out("a", [1], 1), out("b", [7], 1), out("a", [2], 2),
+                            out("b", [8, 9], 3), out("a", [3], 3, finished=True)])
+    assert [m.request_id for m in merged] == ["a", "b"]
+    a, b = merged
+    assert (a.new_token_ids, a.new_log_probs, a.num_output_tokens) == ([1, 2, 3], [0.5] * 3, 3)
+    assert a.finished and a.finish_reason == FinishReason.LENGTH
+    assert (b.new_token_ids, b.num_output_tokens, b.finished) == ([7, 8, 9], 3, False)

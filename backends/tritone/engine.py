@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import queue
 import threading
@@ -240,6 +241,10 @@ class AsyncEngine:
         self._engine_thread.start()
         self._sender_thread.start()
 
+    @property
+    def num_steps(self) -> int:
+        return self.engine.stats.num_steps
+
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Validates at once (raising ValueError naming the field) and enqueues."""
         self.engine.validate(prompt_ids, params)
@@ -306,12 +311,40 @@ class AsyncEngine:
         return outputs
 
     def _sender_loop(self) -> None:
-        while True:
+        stopping = False
+        while not stopping:
             outputs = self._outbox.get()
             if outputs is None:
                 return
-            for output in outputs:
+            outputs = list(outputs)
+            # Steps that finished while the last responses went out are sent together: one
+            # response per request however many steps it spans, so when sending falls behind
+            # the engine, it catches up instead of falling further behind.
+            while True:
+                try:
+                    more = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                if more is None:
+                    stopping = True
+                    break
+                outputs.extend(more)
+            for output in merge_outputs(outputs):
                 try:
                     self.on_output(output)
                 except Exception:
                     logger.exception("sending output of request %s failed", output.request_id)
+
+
+def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
+    """Joins each request's consecutive outputs into one, in order of first appearance."""
+    merged: dict[str, RequestOutput] = {}
+    for output in outputs:
+        prev = merged.get(output.request_id)
+        if prev is None:
+            merged[output.request_id] = output
+            continue
+        merged[output.request_id] = dataclasses.replace(
+            output, new_token_ids=prev.new_token_ids + output.new_token_ids,
+            new_log_probs=prev.new_log_probs + output.new_log_probs)
+    return list(merged.values())

@@ -23,7 +23,7 @@ _SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_decode.c"
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-shared", "-fPIC"]
+          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _loaded = False
 
@@ -58,7 +58,7 @@ def _build() -> ctypes.CDLL:
     lib = ctypes.CDLL(str(target))
     fn = lib.paged_decode_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -91,7 +91,7 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     rc = lib.paged_decode_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
         context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim,
-        block_size, block_tables.shape[1], scale, int(k_cache.dtype == torch.bfloat16))
+        block_size, block_tables.shape[1], scale, int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
     if rc != 0:
         raise MemoryError("paged_decode_attention could not allocate its scratch space")
     return out

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import pathlib
 import re
@@ -51,7 +52,10 @@ def find_tritonserver() -> TritonInstall:
     stub = wheel / "python_backend_stubs" / version / "triton_python_backend_stub"
     if not stub.exists():
         raise RuntimeError(f"nvidia-pytriton has no Python backend stub for Python {version}")
-    backend_dir = cache_root() / "triton_backends"
+    # One backend directory per checkout and environment: servers started from two checkouts
+    # at once would otherwise hand each other's stubs the wrong paths.
+    key = hashlib.sha256(repr(python_path).encode()).hexdigest()[:12]
+    backend_dir = cache_root() / "triton_backends" / key
     python_backend = backend_dir / "python"
     python_backend.mkdir(parents=True, exist_ok=True)
     for item in (wheel / "backends" / "python").iterdir():

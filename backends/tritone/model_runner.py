@@ -42,6 +42,7 @@ class ModelRunner:
         ).to(self.device).eval()
         if self.device.type == "cpu":
             layers.transpose_linears(self.model)
+            layers.fuse_rms_norms(self.model)
         text_config = self.hf_config.get_text_config()
         self.vocab_size = text_config.vocab_size
         self.max_model_len = config.max_model_len or text_config.max_position_embeddings

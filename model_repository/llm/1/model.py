@@ -21,7 +21,7 @@ from tritone.serving import ResponseStream, error_message, model_parameters, par
 from tritone.text import Detokenizer, load_tokenizer
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# How often client cancellations are looked for (about one decode step), and metrics reported.
+# How often client cancellations may be looked for, and metrics reported.
 _CANCEL_POLL_SECONDS = 0.02
 _METRICS_SECONDS = 1.0
 
@@ -82,7 +82,12 @@ class TritonPythonModel:
             sender.send(response, flags=_FINAL)
 
     def _watch_cancellations(self):
+        # Each is_cancelled() is a round trip to the server process: ask once per engine step.
+        last_step = -1
         while not self.stopping.wait(_CANCEL_POLL_SECONDS):
+            if self.engine.num_steps == last_step:
+                continue
+            last_step = self.engine.num_steps
             for request_id in list(self.streams):
                 with self.final_lock:
                     entry = self.streams.get(request_id)
