@@ -105,7 +105,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--measurement-interval", type=int, default=5000, help="milliseconds per measurement window")
-    p.add_argument("--out-dir", default=str(ROOT / "scripts" / "results" / "perf_analyzer"))
+    p.add_argument("--out-dir", default=str(ROOT / "scripts" / "results" / "perf_analyzer"),
+                   help="where its input data, logs and profile exports go")
     args = p.parse_args(argv)
 
     from transformers import AutoTokenizer
