@@ -24,6 +24,10 @@ from tritone.models import cache_root, resolve_model
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
 _TEMPLATE = re.compile(r"\$\{(\w+)\}")
+# The models a server loads: the ensemble stack, or the single-process ablation that benchmarks
+# compare it with (never both by default: each loads the model).
+ENSEMBLE_MODELS = ("preprocessing", "llm", "postprocessing", "ensemble")
+INLINE_MODELS = ("llm_inline",)
 
 
 @dataclass(slots=True)
@@ -79,12 +83,15 @@ def _link(source: pathlib.Path, target: pathlib.Path) -> None:
     target.symlink_to(source)
 
 
-def render_repository(target: pathlib.Path, values: dict[str, str]) -> pathlib.Path:
-    """Copies the model repository to `target`, filling `${name}` templates in config.pbtxt.
-    A template without a value stays as it is, and the model code treats it as unset."""
+def render_repository(target: pathlib.Path, values: dict[str, str],
+                      models: tuple[str, ...] = ENSEMBLE_MODELS) -> pathlib.Path:
+    """Copies the `models` of the model repository to `target`, filling `${name}` templates in
+    config.pbtxt. A template without a value stays as it is, and the model code treats it as unset."""
     if target.exists():
         shutil.rmtree(target)
-    shutil.copytree(MODEL_REPOSITORY, target, ignore=shutil.ignore_patterns("__pycache__"))
+    target.mkdir(parents=True)
+    for model in models:
+        shutil.copytree(MODEL_REPOSITORY / model, target / model, ignore=shutil.ignore_patterns("__pycache__"))
     for config in target.glob("*/config.pbtxt"):
         text = _TEMPLATE.sub(lambda m: str(values.get(m.group(1), m.group(0))), config.read_text())
         config.write_text(text)
@@ -114,6 +121,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--chat-template", default="auto", choices=["auto", "never"],
                    help="auto: wrap text_input in the model's chat template when it has one")
+    p.add_argument("--inline", action="store_true",
+                   help="serve llm_inline (tokenizer, engine and detokenizer in one process, the benchmarks' "
+                        "ablation) instead of the ensemble")
     p.add_argument("--log-verbose", type=int, default=0)
     return p
 
@@ -163,7 +173,9 @@ class Server:
 
     def start(self, stdout=None) -> None:
         install = find_tritonserver()
-        repository = render_repository(self.run_dir / "model_repository", template_values(self.args, self.model_dir))
+        models = INLINE_MODELS if getattr(self.args, "inline", False) else ENSEMBLE_MODELS
+        repository = render_repository(self.run_dir / "model_repository", template_values(self.args, self.model_dir),
+                                       models)
         # Its own session, so that Ctrl-C reaches it once, through us; and it dies with us.
         self.process = subprocess.Popen(self.command(install, repository), env=install.env, stdout=stdout,
                                         stderr=subprocess.STDOUT if stdout else None,

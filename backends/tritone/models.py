@@ -57,3 +57,34 @@ def resolve_model(model: str | None) -> pathlib.Path:
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"--model {model}: not a Hugging Face model directory (no config.json)")
     return path
+
+
+TINY_MODEL_NAME = "tiny-random-" + DEFAULT_MODEL_NAME
+
+
+def prepare_tiny_model(target: pathlib.Path | None = None) -> pathlib.Path:
+    """A tiny model with random weights (seeded) and the default model's tokenizer and
+    architecture, built once: its step takes a few milliseconds on a CPU, about what the
+    default model's takes on a GPU, so benchmarks can show where the text work around the engine
+    weighs most. Its answers are noise."""
+    target = pathlib.Path(target or cache_root() / "models" / TINY_MODEL_NAME)
+    if (target / _MARKER).exists():
+        return target
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    source = prepare_default_model()
+    config = AutoConfig.from_pretrained(source)
+    config.update({"num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 256,
+                   "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config)
+    tmp = target.with_name(target.name + ".partial")
+    model.save_pretrained(tmp)
+    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
+    (tmp / _MARKER).write_text(json.dumps({"source": f"random weights, {DEFAULT_MODEL_NAME}'s tokenizer"}))
+    if target.exists():
+        import shutil
+        shutil.rmtree(target)
+    tmp.rename(target)
+    return target

@@ -1,0 +1,79 @@
+"""The single-process ablation `llm_inline`: rendered only when asked, and it answers as the
+ensemble does (the ensemble from the session server, llm_inline from a server of its own)."""
+
+import numpy as np
+import pytest
+
+from conftest import free_port
+from tritone.inline import InlineText
+from tritone.launcher import ENSEMBLE_MODELS, INLINE_MODELS, render_repository
+from tritone_client import TritoneClient
+
+
+def test_the_launcher_renders_only_the_selected_models(tmp_path):
+    assert sorted(p.name for p in render_repository(tmp_path / "a", {}).iterdir()) == sorted(ENSEMBLE_MODELS)
+    rendered = render_repository(tmp_path / "b", {"model_dir": "M"}, INLINE_MODELS)
+    assert [p.name for p in rendered.iterdir()] == ["llm_inline"]
+    assert 'string_value: "M"' in (rendered / "llm_inline" / "config.pbtxt").read_text()
+
+
+def test_inline_text_parses_ensemble_inputs_and_names_bad_fields(model_dir, tokenizer):
+    text = InlineText({"model_dir": str(model_dir), "chat_template": "never"})
+    good = {"text_input": np.array([b"Hello there"], dtype=object), "max_tokens": np.array([5], dtype=np.int32)}
+    bad = {"text_input": np.array([b"Hi"], dtype=object), "max_tokens": np.array([5], dtype=np.int32),
+           "messages": np.array([b"[]"], dtype=object)}
+    parsed, error = text.parse([good.get, bad.get])
+    assert parsed.prompt_ids == tokenizer("Hello there").input_ids and parsed.params.max_tokens == 5
+    assert isinstance(error, ValueError) and "text_input" in str(error) and "messages" in str(error)
+
+
+@pytest.fixture(scope="module")
+def inline_server(model_dir, tmp_path_factory):
+    from tritone.launcher import Server, build_parser
+
+    args = build_parser().parse_args([
+        "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
+        "--dtype", "float32", "--kv-cache-bytes", str(256 << 20), "--inline",
+    ])
+    run_dir = tmp_path_factory.mktemp("tritonserver-inline")
+    log = open(run_dir / "server.log", "w")
+    srv = Server(args, run_dir=run_dir)
+    srv.start(stdout=log)
+    try:
+        srv.wait_ready(timeout=300)
+        yield srv
+    finally:
+        code = srv.stop()
+        log.close()
+    assert code == 0, (run_dir / "server.log").read_text()[-3000:]
+
+
+@pytest.mark.integration
+def test_llm_inline_answers_as_the_ensemble(server, inline_server):
+    prompt = "Write a haiku about the sea, then explain it."
+    ensemble = TritoneClient(f"127.0.0.1:{server.args.grpc_port}")
+    inline = TritoneClient(f"127.0.0.1:{inline_server.args.grpc_port}", model="llm_inline")
+    with ensemble, inline:
+        expected = ensemble.complete(prompt, max_tokens=40)
+        assert inline.complete(prompt, max_tokens=40) == expected
+        chunks = list(inline.generate(prompt, max_tokens=40, stream=True))
+        assert len(chunks) > 1 and "".join(c.text for c in chunks) == expected.text
+        assert chunks[-1].num_output_tokens == expected.num_output_tokens
+        assert chunks[-1].finish_reason == expected.finish_reason
+        stopped = inline.complete(prompt, max_tokens=40, stop_words=[expected.text.split()[2]])
+        assert stopped == ensemble.complete(prompt, max_tokens=40, stop_words=[expected.text.split()[2]])
+        # Bad input fails that request alone, with the same message as through the ensemble.
+        with pytest.raises(RuntimeError, match="messages is not valid JSON"):
+            list(inline._grpc_stream(_bad_messages(inline)))
+        assert inline.complete(prompt, max_tokens=40) == expected
+
+
+def _bad_messages(client):
+    t = client._triton
+    inputs = []
+    for name, value, dtype in (("messages", np.array([[b"{not json"]], dtype=object), "BYTES"),
+                               ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")):
+        tensor = t.InferInput(name, list(value.shape), dtype)
+        tensor.set_data_from_numpy(value)
+        inputs.append(tensor)
+    return inputs
