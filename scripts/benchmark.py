@@ -1,8 +1,7 @@
 """Engine benchmark: the full ensemble over gRPC streaming against Hugging Face `generate`.
 
 Prompts of --prompt-len tokens, --output-len tokens each with end of sequence ignored, at each
-concurrency, each level a time-boxed window of the load generator (tritone_client.load); then
-static batches of `generate` as the baseline, in the same run. Prints output
+concurrency; then static batches of `generate` as the baseline, in the same run. Prints output
 tokens/s, time to first token and inter-token latency (mean, p99), and the engine's
 forward-busy fraction (from the server's metrics). Run it with scripts/benchmark.
 """
@@ -10,24 +9,113 @@ forward-busy fraction (from the server's metrics). Run it with scripts/benchmark
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
+import random
 import socket
+import statistics
 import sys
 import time
+import urllib.request
 
+import numpy as np
 import torch
+import tritonclient.grpc.aio as grpcaio
+from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tritone.config import resolve_dtype
 from tritone.launcher import Server, build_parser
 from tritone.models import resolve_model
-from tritone_client.load import PromptFactory, ServerMetrics, Workload, measure_level
+
+
+def make_prompts(tokenizer, num: int, length: int, seed: int = 0) -> list[str]:
+    """Texts of exactly `length` tokens, from single-token words, seeded."""
+    rng = random.Random(seed)
+    words = [w for w in ("the of and to in is that it for was on are as with his they at be this from have or by "
+                         "one had not but what all were when we there can an your which their said if do will each "
+                         "about how up out them then she many some so these would other into has more her two like "
+                         "him see time could no make than first been its who now people my made over did down only "
+                         "way find use may water long little very after words called just where most know").split()]
+    single = [w for w in words if len(tokenizer(" " + w, add_special_tokens=False).input_ids) == 1]
+    prompts = []
+    for _ in range(num):
+        text = " ".join(rng.choice(single) for _ in range(length))
+        ids = tokenizer(text, add_special_tokens=False).input_ids[:length]
+        prompts.append(tokenizer.decode(ids))
+    return prompts
 
 
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def percentile(values, q):
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+async def run_level(url, prompts, concurrency, output_len):
+    client = grpcaio.InferenceServerClient(url)
+    ttfts, itls, counts = [], [], []
+    queue = list(prompts)
+    bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", leave=False)
+
+    async def one(prompt):
+        inputs = []
+        for name, value, dtype in (
+                ("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
+                ("max_tokens", np.array([[output_len]], dtype=np.int32), "INT32"),
+                ("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
+                ("stream", np.array([[True]]), "BOOL"),
+                ("apply_chat_template", np.array([[False]]), "BOOL")):
+            t = grpcaio.InferInput(name, list(value.shape), dtype)
+            t.set_data_from_numpy(value)
+            inputs.append(t)
+
+        async def requests():
+            yield {"model_name": "ensemble", "inputs": inputs}
+
+        start = last = time.perf_counter()
+        first = None
+        n = 0
+        async for result, error in client.stream_infer(requests()):
+            if error is not None:
+                raise RuntimeError(error)
+            now = time.perf_counter()
+            n = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
+            if first is None:
+                first = now
+                ttfts.append(now - start)
+            else:
+                itls.append(now - last)
+            last = now
+            if n >= output_len:
+                break
+        counts.append(n)
+        bar.update(1)
+
+    async def worker():
+        while queue:
+            await one(queue.pop())
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    bar.close()
+    await client.close()
+    return {"output_tokens_per_s": sum(counts) / elapsed, "ttft_mean": statistics.mean(ttfts),
+            "ttft_p99": percentile(ttfts, 99), "itl_mean": statistics.mean(itls) if itls else float("nan"),
+            "itl_p99": percentile(itls, 99), "elapsed_s": elapsed, "num_requests": len(counts)}
+
+
+def forward_seconds(metrics_url) -> float:
+    with urllib.request.urlopen(metrics_url) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("tritone_forward_seconds_total"):
+                return float(line.rsplit(" ", 1)[1])
+    return 0.0
 
 
 def hf_baseline(model_dir, prompts_ids, batch, output_len, dtype):
@@ -52,16 +140,17 @@ def main(argv=None) -> int:
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32, 128])
     p.add_argument("--dtype", default="auto")
-    p.add_argument("--duration", type=float, default=15.0, help="measurement window per level, seconds")
+    p.add_argument("--requests-per-level", type=int, default=0, help="0: max(4, 2 x concurrency), at most 256")
     p.add_argument("--server-args", default="", help="extra scripts/serve options, quoted")
     p.add_argument("--json", help="write the results here")
     args = p.parse_args(argv)
 
     model_dir = resolve_model(args.model)
-    factory = PromptFactory(AutoTokenizer.from_pretrained(model_dir))
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
     n_max = max(args.concurrency + args.hf_batches)
-    workload = Workload.fixed(factory, max(n_max * 2, 8), args.prompt_len, args.output_len)
-    prompts_ids = [factory.tokenizer(text).input_ids for text, _, _ in workload.prompts]
+    prompts = make_prompts(tokenizer, max(n_max * 2, 8), args.prompt_len)
+    prompts_ids = [tokenizer(t, add_special_tokens=False).input_ids for t in prompts]
+    assert all(len(i) == args.prompt_len for i in prompts_ids), "prompt length drifted on re-tokenization"
     results = {"config": vars(args), "tritone": {}, "hf_generate": {}}
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
@@ -81,10 +170,14 @@ def main(argv=None) -> int:
     try:
         server.wait_ready()
         url = f"{server_args.host}:{server_args.grpc_port}"
-        metrics = ServerMetrics(f"http://{server_args.host}:{server_args.metrics_port}/metrics")
-        measure_level(url, "ensemble", Workload.fixed(factory, 4, 16, 8), 1.0, 0.0, 4, progress=False)  # warm-up
+        metrics_url = f"http://{server_args.host}:{server_args.metrics_port}/metrics"
+        asyncio.run(run_level(url, prompts[:4], 4, 8))  # warm-up
         for c in args.concurrency:
-            level = measure_level(url, "ensemble", workload, args.duration, 2.0, c, metrics=metrics)
+            n = args.requests_per_level or min(256, max(4, 2 * c))
+            f0, t0 = forward_seconds(metrics_url), time.perf_counter()
+            level = asyncio.run(run_level(url, (prompts * 4)[:n], c, args.output_len))
+            time.sleep(1.2)  # the server reports metrics once a second
+            level["forward_busy"] = (forward_seconds(metrics_url) - f0) / (time.perf_counter() - t0 - 1.2)
             results["tritone"][c] = level
             print(f"concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s", flush=True)
     finally:
@@ -102,9 +195,8 @@ def print_report(results, args):
     print("| configuration | output tok/s | TTFT mean (s) | TTFT p99 (s) | ITL mean (ms) | ITL p99 (ms) | forward-busy |")
     print("|---|---|---|---|---|---|---|")
     for c, r in results["tritone"].items():
-        t, i = r["ttft_s"], r["itl_s"]
-        print(f"| Tritone, concurrency {c} | {r['output_tokens_per_s']:.1f} | {t['mean']:.3f} | {t['p99']:.3f} "
-              f"| {1000 * i['mean']:.1f} | {1000 * i['p99']:.1f} | {r['forward_busy']:.2f} |")
+        print(f"| Tritone, concurrency {c} | {r['output_tokens_per_s']:.1f} | {r['ttft_mean']:.3f} | {r['ttft_p99']:.3f} "
+              f"| {1000 * r['itl_mean']:.1f} | {1000 * r['itl_p99']:.1f} | {r['forward_busy']:.2f} |")
     for b, r in results["hf_generate"].items():
         print(f"| HF generate, static batch {b} | {r['output_tokens_per_s']:.1f} | | | {1000 * r['itl_mean']:.1f} | | |")
     hf, tr = results["hf_generate"], results["tritone"]
@@ -113,7 +205,7 @@ def print_report(results, args):
             if c in tr:
                 print(f"concurrency {c} / HF batch 32: {tr[c]['output_tokens_per_s'] / hf[32]['output_tokens_per_s']:.2f}x")
     if 1 in hf and 1 in tr:
-        print(f"ITL at concurrency 1: {1000 * tr[1]['itl_s']['mean']:.1f} ms vs HF batch 1 {1000 * hf[1]['itl_mean']:.1f} ms")
+        print(f"ITL at concurrency 1: {1000 * tr[1]['itl_mean']:.1f} ms vs HF batch 1 {1000 * hf[1]['itl_mean']:.1f} ms")
 
 
 if __name__ == "__main__":
