@@ -34,7 +34,7 @@ SUITE = {
     "tiny": {"kinds": {"short": (64, 32, [1, 4, 16, 64, 256]), "long": (2000, 16, [1, 4, 16, 64])},
              "chat_rates": [20.0], "duration": 6.0, "warmup": 1.0, "hf_batches": [1, 16, 64, 256]},
     "default": {"kinds": {"short": (64, 32, [1, 16, 64]), "long": (2000, 8, [1, 4])},
-                "chat_rates": [], "duration": 10.0, "warmup": 2.0, "hf_batches": [1, 16, 64]},
+                "chat_rates": [], "duration": 20.0, "warmup": 3.0, "hf_batches": [1, 16, 64]},
 }
 QUICK = {
     "tiny": {"kinds": {"short": (64, 16, [1, 16]), "long": (500, 4, [4])}, "chat_rates": [10.0],
