@@ -78,8 +78,9 @@ class LLMEngine:
     def max_model_len(self) -> int:
         return self.runner.max_model_len
 
-    def validate(self, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Raises ValueError naming the field when the request can never be served."""
+    def validate(self, prompt_ids: list[int], params: SamplingParams, num_queued: int = 0) -> None:
+        """Raises ValueError naming the field when the request can never be served, and
+        RuntimeError when the queue (waiting requests, plus `num_queued` not yet added) is full."""
         params.validate(self.vocab_size)
         if not prompt_ids:
             raise ValueError("input_ids is empty: the prompt must have at least one token")
@@ -92,7 +93,7 @@ class LLMEngine:
         if self.block_manager.num_blocks_for(total) > self.block_manager.num_blocks:
             raise ValueError(f"prompt plus max_tokens ({total} tokens) exceeds the KV cache "
                              f"({self.block_manager.num_blocks * self.config.block_size} tokens)")
-        if self.config.max_queue_len and len(self.scheduler.waiting) >= self.config.max_queue_len:
+        if self.config.max_queue_len and len(self.scheduler.waiting) + num_queued >= self.config.max_queue_len:
             raise RuntimeError("server busy: the request queue is full, retry later")
 
     def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
@@ -234,6 +235,10 @@ class AsyncEngine:
     _inbox: "queue.Queue" = field(default_factory=queue.Queue)
     _outbox: "queue.Queue" = field(default_factory=queue.Queue)
     _stopping: threading.Event = field(default_factory=threading.Event)
+    # Submitted (caller's thread) and added (engine thread), each counted by its own thread only:
+    # requests still in the inbox count against the queue limit, or a burst would slip past it.
+    _num_submitted: int = 0
+    _num_added: int = 0
 
     def start(self) -> None:
         self._engine_thread = threading.Thread(target=self._engine_loop, name="tritone-engine", daemon=True)
@@ -247,7 +252,8 @@ class AsyncEngine:
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
         """Validates at once (raising ValueError naming the field) and enqueues."""
-        self.engine.validate(prompt_ids, params)
+        self.engine.validate(prompt_ids, params, num_queued=self._num_submitted - self._num_added)
+        self._num_submitted += 1
         self._inbox.put(_Submit(request_id, prompt_ids, params))
 
     def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
@@ -296,6 +302,7 @@ class AsyncEngine:
             if output is not None:
                 self._outbox.put([output])
             return
+        self._num_added += 1
         try:
             self.engine.add_request(item.request_id, item.prompt_ids, item.params)
         except (ValueError, RuntimeError) as exc:

@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-num-batched-tokens", type=int, default=512)
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's own limit")
     p.add_argument("--max-input-len", type=int, default=0, help="longest prompt accepted, in tokens (0: max model len)")
+    p.add_argument("--max-input-bytes", type=int, default=1 << 20,
+                   help="longest text_input or messages accepted, in bytes, checked before tokenizing")
+    p.add_argument("--exit-timeout", type=int, default=30,
+                   help="seconds in-flight requests get to finish on shutdown")
     p.add_argument("--max-queue-len", type=int, default=0, help="waiting requests beyond this get 'server busy' (0: no limit)")
     p.add_argument("--num-threads", type=int, default=0,
                    help="CPU threads for the model (0: all cores but one, left to the text stages)")
@@ -141,6 +145,7 @@ def template_values(args, model_dir: pathlib.Path) -> dict[str, str]:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "max_model_len": args.max_model_len,
         "max_input_len": args.max_input_len,
+        "max_input_bytes": args.max_input_bytes,
         "max_queue_len": args.max_queue_len,
         "num_threads": args.num_threads,
         "enable_prefix_caching": str(not args.no_prefix_caching).lower(),
@@ -156,6 +161,9 @@ class Server:
         self.model_dir = resolve_model(args.model)
         self.run_dir = run_dir or cache_root() / "run" / f"{args.http_port}"
         self.process: subprocess.Popen | None = None
+        self.num_restarts = 0
+        self._stdout = None
+        self._is_stopping = False
 
     def command(self, install: TritonInstall, repository: pathlib.Path) -> list[str]:
         a = self.args
@@ -167,11 +175,12 @@ class Server:
             f"--grpc-address={a.host}", f"--grpc-port={a.grpc_port}",
             f"--metrics-address={a.host}", f"--metrics-port={a.metrics_port}",
             "--model-control-mode=none",
-            "--exit-timeout-secs=30",
+            f"--exit-timeout-secs={a.exit_timeout}",
             f"--log-verbose={a.log_verbose}",
         ]
 
     def start(self, stdout=None) -> None:
+        self._stdout = stdout
         install = find_tritonserver()
         models = INLINE_MODELS if getattr(self.args, "inline", False) else ENSEMBLE_MODELS
         repository = render_repository(self.run_dir / "model_repository", template_values(self.args, self.model_dir),
@@ -200,7 +209,63 @@ class Server:
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver was not ready within {timeout:.0f} s")
 
-    def stop(self, timeout: float = 40.0) -> int:
+    def stub_pids(self) -> set[int]:
+        """The Python backend stubs of the running tritonserver: one process per model instance."""
+        pids = set()
+        for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+            try:
+                parent = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+                if parent == self.process.pid and b"python_backend_stub" in (stat.parent / "cmdline").read_bytes():
+                    pids.add(int(stat.parent.name))
+            except (OSError, IndexError, ValueError):
+                pass
+        return pids
+
+    def supervise(self, poll_seconds: float = 1.0) -> int:
+        """Until asked to stop, restarts tritonserver whenever it or one of its model processes dies.
+
+        Triton 2.51's Python backend neither restarts a dead stub nor reports its model unready,
+        so without this every later request to that model fails until someone restarts the
+        server; with model control off, a whole restart is the one way back. Stopping lets
+        requests to the other models finish within the exit timeout, while those the dead stub
+        held end when their connections close. (tritonserver itself may also abort when a stub
+        dies holding a shared-memory lock.)"""
+        while True:
+            stubs = self.stub_pids()
+            while self.process.poll() is None and not self._is_stopping and stubs <= self.stub_pids():
+                time.sleep(poll_seconds)
+            if self._is_stopping:
+                # Polled, not waited on: stop() in another thread waits with a timeout, and
+                # Popen lets only one thread at a time reap the process.
+                while self.process.poll() is None:
+                    time.sleep(poll_seconds)
+                return self.process.returncode
+            print("tritone: tritonserver or one of its model processes died; restarting the server",
+                  file=sys.stderr, flush=True)
+            self.stop(restarting=True)
+            if self._is_stopping:
+                return self.process.returncode
+            self.num_restarts += 1
+            self._restart()
+
+    def _restart(self, attempts: int = 3) -> None:
+        # A start right after a crash has been seen to abort in the Python backend: try again.
+        for attempt in range(attempts):
+            self.start(self._stdout)
+            try:
+                return self.wait_ready()
+            except RuntimeError:
+                if attempt == attempts - 1 or self._is_stopping:
+                    raise
+
+    def request_stop(self) -> None:
+        """Asks tritonserver to finish in-flight requests and exit (safe in a signal handler)."""
+        self._is_stopping = True
+        self.process.send_signal(signal.SIGINT)
+
+    def stop(self, timeout: float | None = None, restarting: bool = False) -> int:
+        self._is_stopping = self._is_stopping or not restarting
+        timeout = timeout or self.args.exit_timeout + 10
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else 0
         self.process.send_signal(signal.SIGINT)
@@ -239,7 +304,7 @@ def main(argv: list[str] | None = None) -> int:
     server.start()
     # Ctrl-C or SIGTERM: tritonserver finishes in-flight requests (up to its exit timeout) and exits.
     for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, lambda *_: server.process.send_signal(signal.SIGINT))
+        signal.signal(sig, lambda *_: server.request_stop())
     try:
         server.wait_ready()
     except (RuntimeError, TimeoutError) as exc:
@@ -247,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
         return 1
     _print_usage(server)
-    return server.process.wait()
+    return server.supervise()
 
 
 if __name__ == "__main__":

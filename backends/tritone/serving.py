@@ -17,6 +17,13 @@ from tritone.text import Detokenizer, StopMatcher, from_word_list_tensor
 
 Getter = Callable[[str], "np.ndarray | None"]
 
+# Stop words are matched on every response's text, and bad words ban token sequences at every
+# step: a request may not make that work unbounded.
+MAX_WORDS = 256
+MAX_WORDS_BYTES = 16384
+# Prompt text is tokenized before its token count can be checked; this bounds that work.
+DEFAULT_MAX_INPUT_BYTES = 1 << 20
+
 
 def scalar(get: Getter, name: str, default=None):
     """The single value of an optional input, or `default` when the request leaves it out."""
@@ -36,8 +43,13 @@ def text_list(get: Getter, name: str) -> list[str]:
     array = get(name)
     if array is None:
         return []
+    items = array.reshape(-1).tolist()
+    if len(items) > MAX_WORDS:
+        raise ValueError(f"{name.lower()} holds {len(items)} words, over the limit of {MAX_WORDS}")
+    if sum(len(item) for item in items) > MAX_WORDS_BYTES:
+        raise ValueError(f"{name.lower()} holds more than {MAX_WORDS_BYTES} bytes in all")
     words = []
-    for item in array.reshape(-1).tolist():
+    for item in items:
         try:
             word = item.decode("utf-8") if isinstance(item, bytes) else str(item)
         except UnicodeDecodeError:
@@ -48,7 +60,9 @@ def text_list(get: Getter, name: str) -> list[str]:
     return words
 
 
-def decode_text(raw, name: str = "text_input") -> str:
+def decode_text(raw, name: str = "text_input", max_bytes: int = 0) -> str:
+    if max_bytes and len(raw) > max_bytes:
+        raise ValueError(f"{name} is {len(raw)} bytes long, over the limit of {max_bytes} bytes")
     try:
         text = raw.decode("utf-8") if isinstance(raw, (bytes, np.bytes_)) else str(raw)
     except UnicodeDecodeError:
@@ -58,9 +72,9 @@ def decode_text(raw, name: str = "text_input") -> str:
     return text
 
 
-def parse_messages(raw) -> list[dict]:
+def parse_messages(raw, max_bytes: int = 0) -> list[dict]:
     """Chat messages from the `messages` input: a JSON list of {"role": ..., "content": ...}."""
-    text = decode_text(raw, "messages")
+    text = decode_text(raw, "messages", max_bytes)
     try:
         messages = json.loads(text)
     except json.JSONDecodeError as exc:
@@ -227,7 +241,9 @@ class Preprocessor:
         limit = params.get("max_input_len")
         model_limit = params.get("max_model_len")
         self.max_input_len = int(limit) if is_set(limit) and int(limit) > 0 else (
-            int(model_limit) if is_set(model_limit) and int(model_limit) > 0 else 0)
+            int(model_limit) if is_set(model_limit) and int(model_limit) > 0 else _model_context(params["model_dir"]))
+        max_bytes = params.get("max_input_bytes")
+        self.max_input_bytes = int(max_bytes) if is_set(max_bytes) else DEFAULT_MAX_INPUT_BYTES
 
     def __call__(self, getters: list[Getter]) -> list["dict[str, np.ndarray] | ValueError"]:
         from tritone.text import to_word_list_tensor
@@ -254,16 +270,26 @@ class Preprocessor:
                 results[i]["INPUT_IDS"] = np.array(ids, dtype=np.int32)
         return results
 
-    @staticmethod
-    def _prompt(get: Getter) -> tuple[str, str | list[dict]]:
+    def _prompt(self, get: Getter) -> tuple[str, str | list[dict]]:
         text, messages = get("TEXT_INPUT"), get("MESSAGES")
         if text is not None and messages is not None:
             raise ValueError("give either text_input or messages, not both")
         if messages is not None:
-            return "messages", parse_messages(messages.reshape(-1)[0])
+            return "messages", parse_messages(messages.reshape(-1)[0], self.max_input_bytes)
         if text is None:
             raise ValueError("text_input is missing (or send chat messages as messages)")
-        return "text_input", decode_text(text.reshape(-1)[0])
+        return "text_input", decode_text(text.reshape(-1)[0], max_bytes=self.max_input_bytes)
+
+
+def _model_context(model_dir: str) -> int:
+    """The model's own context length, so that an over-long prompt fails here, naming its field."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    except (OSError, ValueError):
+        return 0
+    return int(getattr(config, "max_position_embeddings", 0) or 0)
 
 
 class Postprocessor:
