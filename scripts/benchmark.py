@@ -91,8 +91,6 @@ async def run_level(url, prompts, concurrency, output_len):
             else:
                 itls.append(now - last)
             last = now
-            if n >= output_len:
-                break
         counts.append(n)
         bar.update(1)
 

@@ -373,6 +373,40 @@ def test_a_killed_llm_process_fails_in_flight_requests_and_the_server_comes_back
     assert error is None and text == alone[PROMPTS[0]]
 
 
+def is_running(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # a zombie has exited
+    except OSError:
+        return False
+
+
+def test_model_processes_do_not_outlive_a_killed_server(small_server, alone):
+    stream = Stream(grpc_url(small_server))
+    stream.send(ensemble_inputs("Count to one thousand:", 150, end_id=i32(-1),
+                                stream=(np.array([[True]]), "BOOL")), "0")
+    deadline = time.monotonic() + 60
+    while not stream.texts and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert stream.texts
+    stubs = small_server.stub_pids()
+    assert stubs
+    # The engine is generating when its server dies without a word to it.
+    os.kill(small_server.process.pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(map(is_running, stubs)) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert not [pid for pid in stubs if is_running(pid)], "a model process outlived its server"
+    stream.close()
+    # The launcher's supervisor brings the server back.
+    deadline = time.monotonic() + 300
+    while small_server.process.poll() is not None or not is_ready(small_server):
+        assert time.monotonic() < deadline, "the server did not come back"
+        time.sleep(0.5)
+    text, error = one_request(grpc_url(small_server), ensemble_inputs(PROMPTS[0], 12, end_id=i32(-1)))
+    assert error is None and text == alone[PROMPTS[0]]
+
+
 @pytest.mark.xfail(strict=True, reason="Triton 2.51 keeps these ensemble requests in flight until its exit "
                    "timeout after SIGINT (the server log counts them); not yet understood")
 def test_shutdown_lets_in_flight_requests_finish(small_server, alone):

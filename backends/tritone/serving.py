@@ -7,6 +7,9 @@ and send the dicts of arrays returned here, so all parsing and validation is tes
 from __future__ import annotations
 
 import json
+import os
+import threading
+import time
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -333,3 +336,19 @@ def triton_getter(pb_utils, request) -> Getter:
         tensor = pb_utils.get_input_tensor_by_name(request, name)
         return None if tensor is None else tensor.as_numpy()[0]
     return get
+
+
+def exit_when_orphaned(poll_seconds: float = 1.0) -> None:
+    """Ends this model process as soon as tritonserver, its parent, is gone.
+
+    The Python backend's stub is meant to exit when the server dies, but an engine process with
+    busy threads has been seen to outlive a killed or timed-out server, keeping its memory and a
+    core; nothing else would ever stop it."""
+    parent = os.getppid()
+
+    def watch():
+        while os.getppid() == parent:
+            time.sleep(poll_seconds)
+        os._exit(1)
+
+    threading.Thread(target=watch, name="tritone-orphan-watch", daemon=True).start()

@@ -202,8 +202,9 @@ async def _one(client, grpcaio, model: str, text: str, prompt_tokens: int, max_t
                 return
             record.chunks.append((now, int(result.as_numpy("num_output_tokens").reshape(-1)[0])))
             if result.as_numpy("finish_reason").reshape(-1)[0]:
+                # Read on until the server ends the stream: leaving it at the last response
+                # cancels the call, and may do so before the ensemble has closed the request.
                 record.end = now
-                return
     finally:
         if record.end is None:  # cancelled after the drain timeout: the server aborts it
             stream.cancel()

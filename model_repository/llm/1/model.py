@@ -17,7 +17,8 @@ from tritone.config import EngineConfig
 from tritone.engine import AsyncEngine, LLMEngine
 from tritone.metrics import EngineMetrics
 from tritone.request import FinishReason
-from tritone.serving import ResponseStream, error_message, model_parameters, parse_llm_request, triton_getter
+from tritone.serving import (
+    ResponseStream, error_message, exit_when_orphaned, model_parameters, parse_llm_request, triton_getter)
 from tritone.text import Detokenizer, load_tokenizer
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -42,6 +43,7 @@ class TritonPythonModel:
         self.engine = AsyncEngine(engine, self._send)
         self.engine.start()
         self.stopping = threading.Event()
+        exit_when_orphaned()
         threading.Thread(target=self._watch_cancellations, daemon=True).start()
         threading.Thread(target=self._report_metrics, daemon=True).start()
 

@@ -18,7 +18,8 @@ from tritone.engine import AsyncEngine, LLMEngine
 from tritone.inline import InlineText
 from tritone.metrics import EngineMetrics
 from tritone.request import FinishReason
-from tritone.serving import ResponseStream, error_message, model_parameters, triton_getter
+from tritone.serving import (
+    ResponseStream, error_message, exit_when_orphaned, model_parameters, triton_getter)
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _CANCEL_POLL_SECONDS = 0.02
@@ -38,6 +39,7 @@ class TritonPythonModel:
         self.engine = AsyncEngine(engine, self._send)
         self.engine.start()
         self.stopping = threading.Event()
+        exit_when_orphaned()
         threading.Thread(target=self._watch_cancellations, daemon=True).start()
         threading.Thread(target=self._report_metrics, daemon=True).start()
 
