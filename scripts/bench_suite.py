@@ -17,7 +17,6 @@ import json
 import pathlib
 import platform
 import re
-import socket
 import sys
 import tempfile
 import time
@@ -43,14 +42,8 @@ QUICK = {
 STACKS = ("ensemble", "llm_inline")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def start_server(model_dir: pathlib.Path, inline: bool, log_path: pathlib.Path):
-    from tritone.launcher import Server, build_parser
+    from tritone.launcher import Server, build_parser, free_port
 
     # No prefix caching: the workload cycles through a pool of prompts, and a cache hit would
     # turn a long prompt into a short one.

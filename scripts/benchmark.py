@@ -12,7 +12,6 @@ import argparse
 import asyncio
 import json
 import random
-import socket
 import statistics
 import sys
 import time
@@ -25,8 +24,9 @@ from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from tritone.config import resolve_dtype
-from tritone.launcher import Server, build_parser
+from tritone.launcher import Server, build_parser, free_port
 from tritone.models import resolve_model
+from tritone_client import infer_inputs
 
 
 def make_prompts(tokenizer, num: int, length: int, seed: int = 0) -> list[str]:
@@ -46,12 +46,6 @@ def make_prompts(tokenizer, num: int, length: int, seed: int = 0) -> list[str]:
     return prompts
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def percentile(values, q):
     return float(np.percentile(values, q)) if values else float("nan")
 
@@ -63,16 +57,11 @@ async def run_level(url, prompts, concurrency, output_len):
     bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", leave=False)
 
     async def one(prompt):
-        inputs = []
-        for name, value, dtype in (
-                ("text_input", np.array([[prompt.encode()]], dtype=object), "BYTES"),
-                ("max_tokens", np.array([[output_len]], dtype=np.int32), "INT32"),
-                ("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
-                ("stream", np.array([[True]]), "BOOL"),
-                ("apply_chat_template", np.array([[False]]), "BOOL")):
-            t = grpcaio.InferInput(name, list(value.shape), dtype)
-            t.set_data_from_numpy(value)
-            inputs.append(t)
+        inputs = infer_inputs(grpcaio, (("text_input", np.array([[prompt.encode()]], dtype=object)),
+                                        ("max_tokens", np.array([[output_len]], dtype=np.int32)),
+                                        ("end_id", np.array([[-1]], dtype=np.int32)),
+                                        ("stream", np.array([[True]])),
+                                        ("apply_chat_template", np.array([[False]]))))
 
         async def requests():
             yield {"model_name": "ensemble", "inputs": inputs}

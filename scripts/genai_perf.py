@@ -11,17 +11,16 @@ which installs genai-perf in an environment of its own.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
 
-from tritone.launcher import Server, build_parser as server_parser
+from tritone.launcher import temporary_server
 from tritone.models import resolve_model
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -45,12 +44,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.genai_perf_args[:1] == ["--"]:
         args.genai_perf_args = args.genai_perf_args[1:]
     return args
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def genai_perf_command(args, url: str, tokenizer_dir: pathlib.Path, artifacts: pathlib.Path) -> list[str]:
@@ -134,28 +127,18 @@ def main(argv: list[str] | None = None) -> int:
     artifacts = pathlib.Path(args.artifact_dir).resolve()
     shutil.rmtree(artifacts, ignore_errors=True)  # perf_analyzer refuses to overwrite its export
     artifacts.mkdir(parents=True)
-    server = None
     try:
-        url = args.url
-        if url is None:
-            server_args = ["--http-port", str(free_port()), "--grpc-port", str(free_port()),
-                           "--metrics-port", str(free_port())] + (["--model", args.model] if args.model else [])
-            server = Server(server_parser().parse_args(server_args),
-                            run_dir=pathlib.Path(tempfile.mkdtemp(prefix="tritone-genai-perf-")))
-            log = open(artifacts / "server.log", "w")
-            print(f"Starting tritonserver (log: {artifacts / 'server.log'})", flush=True)
-            server.start(stdout=log)
-            server.wait_ready()
-            url = f"{server.args.host}:{server.args.grpc_port}"
-        run_genai_perf(genai_perf_command(args, url, model_dir, artifacts))
-        ok = report(artifacts)
+        with contextlib.ExitStack() as stack:
+            url = args.url
+            if url is None:
+                server = stack.enter_context(temporary_server(artifacts / "server.log",
+                                                              *(["--model", args.model] if args.model else [])))
+                url = f"{server.args.host}:{server.args.grpc_port}"
+            run_genai_perf(genai_perf_command(args, url, model_dir, artifacts))
+            ok = report(artifacts)
     except (RuntimeError, TimeoutError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if server is not None:
-            server.stop()
-            shutil.rmtree(server.run_dir, ignore_errors=True)
     if not ok:
         print("error: genai-perf's token counts differ from the server's num_output_tokens", file=sys.stderr)
         return 1

@@ -11,14 +11,12 @@ libraries the perf_analyzer 2.51 binary needs.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import pathlib
-import shutil
-import socket
 import subprocess
 import sys
-import tempfile
 
 import numpy as np
 
@@ -90,12 +88,6 @@ def profile(url: str, prompts: list[str], max_tokens: int, concurrency: int, int
     return summary
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="scripts/perf_analyzer", description=__doc__.split("\n\n")[0])
     p.add_argument("--url", help="gRPC address of a running Tritone server (default: start one here)")
@@ -111,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from transformers import AutoTokenizer
 
-    from tritone.launcher import Server, build_parser as server_parser
+    from tritone.launcher import temporary_server
     from tritone.models import resolve_model
     from tritone_client.load import PromptFactory
 
@@ -119,30 +111,20 @@ def main(argv: list[str] | None = None) -> int:
     factory = PromptFactory(AutoTokenizer.from_pretrained(model_dir))
     prompts = [factory.make(args.prompt_tokens) for _ in range(64)]
     out_dir = pathlib.Path(args.out_dir)
-    server = None
     try:
-        url = args.url
-        if url is None:
-            server_args = ["--http-port", str(free_port()), "--grpc-port", str(free_port()),
-                           "--metrics-port", str(free_port()), "--model", str(model_dir)]
-            server = Server(server_parser().parse_args(server_args),
-                            run_dir=pathlib.Path(tempfile.mkdtemp(prefix="tritone-perf-analyzer-")))
-            out_dir.mkdir(parents=True, exist_ok=True)
-            print(f"Starting tritonserver (log: {out_dir / 'server.log'})", flush=True)
-            server.start(stdout=open(out_dir / "server.log", "w"))
-            server.wait_ready()
-            url = f"{server.args.host}:{server.args.grpc_port}"
-        for c in args.concurrency:
-            s = profile(url, prompts, args.output_tokens, c, args.measurement_interval, out_dir)
-            print("\n".join(s.pop("perf_analyzer_lines")))
-            print(json.dumps(s, indent=2), flush=True)
+        with contextlib.ExitStack() as stack:
+            url = args.url
+            if url is None:
+                out_dir.mkdir(parents=True, exist_ok=True)
+                server = stack.enter_context(temporary_server(out_dir / "server.log", "--model", str(model_dir)))
+                url = f"{server.args.host}:{server.args.grpc_port}"
+            for c in args.concurrency:
+                s = profile(url, prompts, args.output_tokens, c, args.measurement_interval, out_dir)
+                print("\n".join(s.pop("perf_analyzer_lines")))
+                print(json.dumps(s, indent=2), flush=True)
     except (RuntimeError, TimeoutError, OSError, subprocess.TimeoutExpired) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
-    finally:
-        if server is not None:
-            server.stop()
-            shutil.rmtree(server.run_dir, ignore_errors=True)
     return 0
 
 

@@ -24,6 +24,7 @@ import numpy as np
 import tritonclient.grpc as grpcclient
 
 from tritone.launcher import Server, build_parser
+from tritone_client import infer_inputs
 
 PROMPTS = ["The quick brown fox", "Write a haiku about the sea.", "def fibonacci(n):\n    ",
            "Explain why the sky is blue.", "1, 2, 3, 4, 5,", "What is the capital of France?",
@@ -56,12 +57,7 @@ def inputs_for(prompt, max_tokens, stream, **extra):
                ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
                ("stream", np.array([[stream]]), "BOOL")]
     tensors += [(name, np.array([[value]], dtype=np.float32), "FP32") for name, value in extra.items()]
-    inputs = []
-    for name, value, dtype in tensors:
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
+    return infer_inputs(grpcclient, tensors)
 
 
 class Soak:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import pathlib
-import socket
 
 import pytest
 import torch
 
+from tritone.launcher import free_port
 from tritone.models import prepare_default_model
 
 PROMPTS = [
@@ -54,23 +54,17 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, end_ids=(2,)
     return ids
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture(scope="session")
-def server(model_dir, tmp_path_factory):
-    """A real tritonserver with the real model repository and the default model, in fp32 so that
-    its greedy output can be compared token for token with Hugging Face."""
+def start_server(tmp_path_factory, name: str, *options: str):
+    """A real tritonserver, ready, on free ports: the real model repository and the default model
+    in fp32 (so that greedy output can be compared token for token with Hugging Face), with extra
+    launcher `options`. Returns it and its open log file (server.log in its run directory)."""
     from tritone.launcher import Server, build_parser
 
     args = build_parser().parse_args([
         "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
-        "--dtype", "float32", "--kv-cache-bytes", str(256 << 20),
+        "--dtype", "float32", *options,
     ])
-    run_dir = tmp_path_factory.mktemp("tritonserver")
+    run_dir = tmp_path_factory.mktemp(name)
     log = open(run_dir / "server.log", "w")
     srv = Server(args, run_dir=run_dir)
     srv.start(stdout=log)
@@ -80,14 +74,21 @@ def server(model_dir, tmp_path_factory):
         log.flush()
         print((run_dir / "server.log").read_text()[-5000:])
         srv.stop()
+        log.close()
         raise
+    return srv, log
+
+
+@pytest.fixture(scope="session")
+def server(model_dir, tmp_path_factory):
+    srv, log = start_server(tmp_path_factory, "tritonserver", "--kv-cache-bytes", str(256 << 20))
     yield srv
     # Every request got its final response, so every model unloads within the exit timeout and
     # no Python stub outlives the server.
     code = srv.stop()
     log.close()
-    assert code == 0, (run_dir / "server.log").read_text()[-3000:]
-    assert not processes_mentioning(str(run_dir)), "a Python backend stub outlived tritonserver"
+    assert code == 0, (srv.run_dir / "server.log").read_text()[-3000:]
+    assert not processes_mentioning(str(srv.run_dir)), "a Python backend stub outlived tritonserver"
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -4,10 +4,10 @@ ensemble does (the ensemble from the session server, llm_inline from a server of
 import numpy as np
 import pytest
 
-from conftest import free_port
+from conftest import start_server
 from tritone.inline import InlineText
 from tritone.launcher import ENSEMBLE_MODELS, INLINE_MODELS, render_repository
-from tritone_client import TritoneClient
+from tritone_client import TritoneClient, infer_inputs
 
 
 def test_the_launcher_renders_only_the_selected_models(tmp_path):
@@ -29,23 +29,13 @@ def test_inline_text_parses_ensemble_inputs_and_names_bad_fields(model_dir, toke
 
 @pytest.fixture(scope="module")
 def inline_server(model_dir, tmp_path_factory):
-    from tritone.launcher import Server, build_parser
-
-    args = build_parser().parse_args([
-        "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
-        "--dtype", "float32", "--kv-cache-bytes", str(256 << 20), "--inline",
-    ])
-    run_dir = tmp_path_factory.mktemp("tritonserver-inline")
-    log = open(run_dir / "server.log", "w")
-    srv = Server(args, run_dir=run_dir)
-    srv.start(stdout=log)
+    srv, log = start_server(tmp_path_factory, "tritonserver-inline", "--kv-cache-bytes", str(256 << 20), "--inline")
     try:
-        srv.wait_ready(timeout=300)
         yield srv
     finally:
         code = srv.stop()
         log.close()
-    assert code == 0, (run_dir / "server.log").read_text()[-3000:]
+    assert code == 0, (srv.run_dir / "server.log").read_text()[-3000:]
 
 
 @pytest.mark.integration
@@ -69,11 +59,5 @@ def test_llm_inline_answers_as_the_ensemble(server, inline_server):
 
 
 def _bad_messages(client):
-    t = client._triton
-    inputs = []
-    for name, value, dtype in (("messages", np.array([[b"{not json"]], dtype=object), "BYTES"),
-                               ("max_tokens", np.array([[4]], dtype=np.int32), "INT32")):
-        tensor = t.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
+    return infer_inputs(client._triton, (("messages", np.array([[b"{not json"]], dtype=object)),
+                                         ("max_tokens", np.array([[4]], dtype=np.int32))))

@@ -10,7 +10,7 @@ import pytest
 import tritonclient.grpc as grpcclient
 
 from conftest import hf_greedy
-from tritone_client import TritoneClient
+from tritone_client import TritoneClient, infer_inputs
 
 pytestmark = pytest.mark.integration
 
@@ -29,12 +29,7 @@ def post(server, endpoint, body):
 
 def grpc_inputs(*tensors):
     """tritonclient inputs from (name, array, Triton dtype) triples."""
-    inputs = []
-    for name, value, dtype in tensors:
-        tensor = grpcclient.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
+    return infer_inputs(grpcclient, tensors)
 
 
 def sse_events(text):

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from conftest import PROMPTS, free_port
+from conftest import PROMPTS, start_server
 from test_integration import grpc_inputs, metric_values, post
 
 pytestmark = pytest.mark.integration
@@ -221,24 +221,12 @@ MAX_QUEUE_LEN = 64
 
 @pytest.fixture(scope="module")
 def small_server(model_dir, tmp_path_factory):
-    from tritone.launcher import Server, build_parser
-
-    args = build_parser().parse_args([
-        "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
-        "--dtype", "float32", "--kv-cache-bytes", str(12 * BLOCK_BYTES), "--max-queue-len", str(MAX_QUEUE_LEN),
+    srv, log = start_server(
+        tmp_path_factory, "small_server",
+        "--kv-cache-bytes", str(12 * BLOCK_BYTES), "--max-queue-len", str(MAX_QUEUE_LEN),
         "--preprocessing-instances", "1", "--postprocessing-instances", "1",
         # Requests held by a killed llm process never finish: they hold the shutdown this long.
-        "--exit-timeout", "10",
-    ])
-    run_dir = tmp_path_factory.mktemp("small_server")
-    log = open(run_dir / "server.log", "w")
-    srv = Server(args, run_dir=run_dir)
-    srv.start(stdout=log)
-    try:
-        srv.wait_ready(timeout=300)
-    except Exception:
-        srv.stop()
-        raise
+        "--exit-timeout", "10")
     supervisor = threading.Thread(target=srv.supervise, kwargs={"poll_seconds": 0.2}, daemon=True)
     supervisor.start()
     yield srv

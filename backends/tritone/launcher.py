@@ -6,14 +6,17 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import os
 import pathlib
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
+import tempfile
 import sysconfig
 import time
 import urllib.request
@@ -274,6 +277,30 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def temporary_server(log_path: pathlib.Path, *options: str):
+    """A tritonserver on free ports for one script's run, with extra launcher `options`: ready
+    inside the block, then stopped and its run directory removed."""
+    args = build_parser().parse_args(["--http-port", str(free_port()), "--grpc-port", str(free_port()),
+                                      "--metrics-port", str(free_port()), *options])
+    server = Server(args, run_dir=pathlib.Path(tempfile.mkdtemp(prefix="tritone-server-")))
+    print(f"Starting tritonserver (log: {log_path})", flush=True)
+    with open(log_path, "w") as log:
+        try:
+            server.start(stdout=log)
+            server.wait_ready()
+            yield server
+        finally:
+            server.stop()
+            shutil.rmtree(server.run_dir, ignore_errors=True)
 
 
 def _die_with_parent() -> None:

@@ -1,5 +1,5 @@
 """A small client for Tritone's `ensemble` on tritonclient: generate and chat, gRPC and HTTP."""
 
-from tritone_client.client import Chunk, TritoneClient
+from tritone_client.client import Chunk, TritoneClient, infer_inputs
 
-__all__ = ["Chunk", "TritoneClient"]
+__all__ = ["Chunk", "TritoneClient", "infer_inputs"]

@@ -92,13 +92,7 @@ class TritoneClient:
             if name not in INPUT_DTYPES:
                 raise ValueError(f"unknown input {name!r}")
             arrays[name] = np.array([[value]], dtype=INPUT_DTYPES[name])
-        inputs = []
-        for name, array in arrays.items():
-            tensor = t.InferInput(name, list(array.shape), "BYTES" if array.dtype == np.object_ else
-                                  _triton_dtype(array.dtype))
-            tensor.set_data_from_numpy(array)
-            inputs.append(tensor)
-        return inputs
+        return infer_inputs(t, arrays.items())
 
     def _grpc_stream(self, inputs) -> Iterator[Chunk]:
         responses: queue.Queue = queue.Queue()
@@ -155,6 +149,20 @@ def _prompt_input(prompt) -> tuple[str, str]:
     if isinstance(prompt, str):
         return "text_input", prompt
     return "messages", json.dumps(list(prompt), ensure_ascii=False)
+
+
+def infer_inputs(triton, tensors) -> list:
+    """tritonclient inputs from (name, array) pairs or (name, array, Triton dtype) triples, for
+    `triton`: the tritonclient.grpc, tritonclient.grpc.aio or tritonclient.http module. Without a
+    dtype, the array's own decides."""
+    inputs = []
+    for name, array, *dtype in tensors:
+        if not dtype:
+            dtype = ["BYTES" if array.dtype == np.object_ else _triton_dtype(array.dtype)]
+        tensor = triton.InferInput(name, list(array.shape), dtype[0])
+        tensor.set_data_from_numpy(array)
+        inputs.append(tensor)
+    return inputs
 
 
 def _triton_dtype(dtype) -> str:

@@ -23,6 +23,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from tritone_client.client import infer_inputs
+
 # English words that most tokenizers hold as one token both alone and after a space, so that a
 # prompt of N words is N tokens; each tokenizer's own check keeps only those that are.
 _WORDS = ("the of and to in is that it for was on are as with his they at be this from have or by one had not "
@@ -171,18 +173,13 @@ class Workload:
 
 
 def _inputs(grpcaio, text: str, max_tokens: int) -> list:
-    inputs = []
     # End of sequence ignored, so that every request makes max_tokens tokens; the prompt goes
     # as it is, without the chat template, so that its length is what the workload says.
-    for name, value, dtype in (("text_input", np.array([[text.encode()]], dtype=object), "BYTES"),
-                               ("max_tokens", np.array([[max_tokens]], dtype=np.int32), "INT32"),
-                               ("end_id", np.array([[-1]], dtype=np.int32), "INT32"),
-                               ("stream", np.array([[True]]), "BOOL"),
-                               ("apply_chat_template", np.array([[False]]), "BOOL")):
-        tensor = grpcaio.InferInput(name, list(value.shape), dtype)
-        tensor.set_data_from_numpy(value)
-        inputs.append(tensor)
-    return inputs
+    return infer_inputs(grpcaio, (("text_input", np.array([[text.encode()]], dtype=object)),
+                                  ("max_tokens", np.array([[max_tokens]], dtype=np.int32)),
+                                  ("end_id", np.array([[-1]], dtype=np.int32)),
+                                  ("stream", np.array([[True]])),
+                                  ("apply_chat_template", np.array([[False]]))))
 
 
 async def _one(client, grpcaio, model: str, text: str, prompt_tokens: int, max_tokens: int,
