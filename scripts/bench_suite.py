@@ -27,16 +27,19 @@ ROOT = pathlib.Path(__file__).resolve().parents[1]
 README_BEGIN, README_END = "<!-- bench-suite:begin -->", "<!-- bench-suite:end -->"
 
 
-# Per model: prompt kinds (prompt tokens, max_tokens, closed-loop concurrencies), the Poisson
-# chat-mix rates, the measurement window and warm-up per level (s), HF generate's static batches.
+# Per model: prompt kinds (prompt tokens, max_tokens, {closed-loop concurrency: measurement
+# window in seconds}), the Poisson chat-mix rates and their window, the warm-up per level (s), and
+# HF generate's static batches. A closed loop starts requests only as others finish, so a level's
+# window must outlast a request's end-to-end time, or it sees neither first tokens nor finishes.
 SUITE = {
-    "tiny": {"kinds": {"short": (64, 32, [1, 4, 16, 64, 256]), "long": (2000, 16, [1, 4, 16, 64])},
+    "tiny": {"kinds": {"short": (64, 32, {1: 6, 4: 6, 16: 6, 64: 10, 256: 20}),
+                       "long": (2000, 16, {1: 6, 4: 6, 16: 6, 64: 8})},
              "chat_rates": [20.0], "duration": 6.0, "warmup": 1.0, "hf_batches": [1, 16, 64, 256]},
-    "default": {"kinds": {"short": (64, 32, [1, 16, 64]), "long": (2000, 8, [1, 4])},
+    "default": {"kinds": {"short": (64, 32, {1: 20, 16: 20, 64: 20}), "long": (2000, 8, {1: 30, 2: 30})},
                 "chat_rates": [], "duration": 20.0, "warmup": 3.0, "hf_batches": [1, 16, 64]},
 }
 QUICK = {
-    "tiny": {"kinds": {"short": (64, 16, [1, 16]), "long": (500, 4, [4])}, "chat_rates": [10.0],
+    "tiny": {"kinds": {"short": (64, 16, {1: 2, 16: 2}), "long": (500, 4, {4: 2})}, "chat_rates": [10.0],
              "duration": 2.0, "warmup": 0.5, "hf_batches": [4]},
 }
 STACKS = ("ensemble", "llm_inline")
@@ -61,7 +64,7 @@ def run_model(name: str, plan: dict, out_dir: pathlib.Path, perf_analyzer: bool)
     from transformers import AutoTokenizer
 
     from tritone.models import prepare_default_model, prepare_tiny_model
-    from tritone_client.load import PromptFactory, ServerMetrics, Workload, measure_level
+    from tritone_client.load import PromptFactory, ServerMetrics, Workload, measure_level, tokens_per_s
 
     model_dir = prepare_tiny_model() if name == "tiny" else prepare_default_model()
     factory = PromptFactory(AutoTokenizer.from_pretrained(model_dir), seed=0)
@@ -78,14 +81,15 @@ def run_model(name: str, plan: dict, out_dir: pathlib.Path, perf_analyzer: bool)
             metrics = ServerMetrics(f"http://{server.args.host}:{server.args.metrics_port}/metrics")
             warm = Workload.fixed(factory, 4, 16, 4)
             measure_level(url, stack, warm, 1.0, 0.0, 4, progress=False)  # first-call costs out of the way
-            levels = [(kind, c, None) for kind, (_, _, cs) in plan["kinds"].items() for c in cs]
-            levels += [("chat", 256, rate) for rate in plan["chat_rates"]]
-            for kind, c, rate in levels:
-                stats = measure_level(url, stack, workloads[kind], plan["duration"], plan["warmup"], c, rate,
+            levels = [(kind, c, None, window) for kind, (_, _, cs) in plan["kinds"].items()
+                      for c, window in cs.items()]
+            levels += [("chat", 256, rate, plan["duration"]) for rate in plan["chat_rates"]]
+            for kind, c, rate, window in levels:
+                stats = measure_level(url, stack, workloads[kind], window, plan["warmup"], c, rate,
                                       metrics, ttft_target=2.0, tpot_target=0.2)
                 rows.append({"model": name, "prompts": kind, "stack": stack, **stats})
                 print(f"{name} {kind} {stack} " + (f"rate {rate}/s" if rate else f"c={c}") +
-                      f": {stats['output_tokens_per_s']:.0f} tok/s, ITL p99 {1000 * stats['itl_s']['p99']:.1f} ms, "
+                      f": {tokens_per_s(stats['output_tokens_per_s'])} tok/s, ITL p99 {1000 * stats['itl_s']['p99']:.1f} ms, "
                       f"forward-busy {stats['forward_busy']:.2f}", flush=True)
             if perf_analyzer and stack == "ensemble" and name == "tiny":
                 pa = run_perf_analyzer(url, factory, out_dir)

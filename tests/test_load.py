@@ -77,7 +77,7 @@ def test_markdown_table_has_a_row_per_level():
     s = level_stats([Record(start=0.0, max_tokens=1, chunks=[(0.5, 1)], end=0.5)], (0.0, 1.0))
     s.update(concurrency=4, rate=None, forward_busy=0.5)
     table = markdown_table([("a", s), ("b", s)]).splitlines()
-    assert len(table) == 4 and table[2].startswith("| a | 4 | 1 |") and table[2].endswith("| 0.50 |")
+    assert len(table) == 4 and table[2].startswith("| a | 4 | 1.0 |") and table[2].endswith("| 0.50 |")
 
 
 @pytest.mark.integration

@@ -331,11 +331,16 @@ TABLE_HEADER = ("| configuration | conc. | output tok/s | req/s | goodput req/s 
                 "| ITL p50 / p99 (ms) | E2E p50 / p99 (s) | forward-busy |\n|---|---|---|---|---|---|---|---|---|")
 
 
+def tokens_per_s(value: float) -> str:
+    """A throughput to print: whole tokens, or one decimal below 10 (a long prompt on a CPU)."""
+    return f"{value:.1f}" if value < 10 else f"{value:.0f}"
+
+
 def table_row(label: str, s: dict) -> str:
     load = s["concurrency"] if s.get("rate") is None else f"{s['rate']}/s"
     busy = f"{s['forward_busy']:.2f}" if "forward_busy" in s else ""
     t, i, e = s["ttft_s"], s["itl_s"], s["e2e_s"]
-    return (f"| {label} | {load} | {s['output_tokens_per_s']:.0f} | {s['requests_per_s']:.2f} "
+    return (f"| {label} | {load} | {tokens_per_s(s['output_tokens_per_s'])} | {s['requests_per_s']:.2f} "
             f"| {s['goodput_requests_per_s']:.2f} | {t['p50']:.3f} / {t['p99']:.3f} "
             f"| {1000 * i['p50']:.1f} / {1000 * i['p99']:.1f} | {e['p50']:.2f} / {e['p99']:.2f} | {busy} |")
 
