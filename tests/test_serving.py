@@ -2,13 +2,16 @@
 through the postprocessing they feed, with the default model's tokenizer."""
 
 import json
+import os
+import threading
+import time
 
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tritone.request import FinishReason, RequestOutput
-from tritone.serving import Postprocessor, Preprocessor, ResponseStream, parse_llm_request, parse_messages, text_list
+from tritone.serving import Drain, Postprocessor, Preprocessor, ResponseStream, parse_llm_request, parse_messages, text_list
 from tritone.text import Detokenizer
 
 
@@ -185,3 +188,33 @@ def test_stop_words_are_not_looked_for_in_an_echoed_prompt(detokenizer, tokenize
     texts, last = run(ResponseStream(req, detokenizer), detokenizer, outputs)
     assert "".join(texts) == "Say Paris twice: "
     assert last["NUM_OUTPUT_TOKENS"][0] == 1 and last["FINISH_REASON"][0] == b"stop"
+
+
+def test_drain_reports_the_engine_idle_only_once_asked_and_after_a_quiet_period(tmp_path):
+    path = tmp_path / "shutting_down"
+    busy, stopping = [True], threading.Event()
+    drain = Drain(str(path), quiet_seconds=0.2, poll_seconds=0.01)
+    drain.watch(lambda: not busy[0], stopping)
+    try:
+        busy[0] = False
+        time.sleep(0.4)
+        assert not drain.requested() and not os.path.exists(drain.done_path)  # idle, but nobody asked
+        busy[0] = True
+        path.touch()
+        assert drain.requested()
+        time.sleep(0.4)
+        assert not os.path.exists(drain.done_path)  # asked, but still busy
+        busy[0] = False
+        asked = time.monotonic()
+        while not os.path.exists(drain.done_path):
+            assert time.monotonic() - asked < 5
+            time.sleep(0.01)
+        assert time.monotonic() - asked >= 0.2
+    finally:
+        stopping.set()
+
+
+def test_an_unset_drain_file_is_never_asked_for():
+    drain = Drain("${shutdown_file}")
+    assert drain.path is None and not drain.requested()
+    drain.watch(lambda: True, threading.Event())  # nothing to watch, no thread

@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import sysconfig
 import time
 import urllib.request
@@ -31,6 +32,8 @@ _TEMPLATE = re.compile(r"\$\{(\w+)\}")
 # compare it with (never both by default: each loads the model).
 ENSEMBLE_MODELS = ("preprocessing", "llm", "postprocessing", "ensemble")
 INLINE_MODELS = ("llm_inline",)
+# tritonserver's own exit timeout, after the launcher's drain (Server.triton_exit_timeout).
+TRITON_EXIT_GRACE_SECONDS = 10
 
 
 @dataclass(slots=True)
@@ -121,7 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-input-bytes", type=int, default=1 << 20,
                    help="longest text_input or messages accepted, in bytes, checked before tokenizing")
     p.add_argument("--exit-timeout", type=int, default=30,
-                   help="seconds in-flight requests get to finish on shutdown")
+                   help="seconds in-flight requests get to finish on shutdown, while new ones are refused")
     p.add_argument("--max-queue-len", type=int, default=0, help="waiting requests beyond this get 'server busy' (0: no limit)")
     p.add_argument("--num-threads", type=int, default=0,
                    help="CPU threads for the model (0: all cores but one, left to the text stages)")
@@ -167,6 +170,7 @@ class Server:
         self.num_restarts = 0
         self._stdout = None
         self._is_stopping = False
+        self._skip_drain = False
 
     def command(self, install: TritonInstall, repository: pathlib.Path) -> list[str]:
         a = self.args
@@ -178,7 +182,7 @@ class Server:
             f"--grpc-address={a.host}", f"--grpc-port={a.grpc_port}",
             f"--metrics-address={a.host}", f"--metrics-port={a.metrics_port}",
             "--model-control-mode=none",
-            f"--exit-timeout-secs={a.exit_timeout}",
+            f"--exit-timeout-secs={self.triton_exit_timeout}",
             f"--log-verbose={a.log_verbose}",
         ]
 
@@ -186,12 +190,31 @@ class Server:
         self._stdout = stdout
         install = find_tritonserver()
         models = INLINE_MODELS if getattr(self.args, "inline", False) else ENSEMBLE_MODELS
-        repository = render_repository(self.run_dir / "model_repository", template_values(self.args, self.model_dir),
-                                       models)
+        for stale in (self.shutdown_file, self.drained_file):
+            stale.unlink(missing_ok=True)
+        values = {**template_values(self.args, self.model_dir), "shutdown_file": str(self.shutdown_file)}
+        repository = render_repository(self.run_dir / "model_repository", values, models)
         # Its own session, so that Ctrl-C reaches it once, through us; and it dies with us.
         self.process = subprocess.Popen(self.command(install, repository), env=install.env, stdout=stdout,
                                         stderr=subprocess.STDOUT if stdout else None,
                                         start_new_session=True, preexec_fn=_die_with_parent)
+
+    @property
+    def triton_exit_timeout(self) -> int:
+        """tritonserver's own wait at exit. The launcher's drain has already waited for every
+        request the engine holds, so this lets the models unload. What Triton would
+        wait for beyond that never ends: ensemble requests a client cancelled, which Triton
+        2.51 keeps counting in flight, and those a dead model process held."""
+        return min(self.args.exit_timeout, TRITON_EXIT_GRACE_SECONDS)
+
+    @property
+    def shutdown_file(self) -> pathlib.Path:
+        """Created to drain the models (see tritone.serving.Drain)."""
+        return self.run_dir / "shutting_down"
+
+    @property
+    def drained_file(self) -> pathlib.Path:
+        return self.run_dir / "shutting_down.done"
 
     @property
     def http_url(self) -> str:
@@ -229,9 +252,9 @@ class Server:
 
         Triton 2.51's Python backend neither restarts a dead stub nor reports its model unready,
         so without this every later request to that model fails until someone restarts the
-        server; with model control off, a whole restart is the one way back. Stopping lets
-        requests to the other models finish within the exit timeout, while those the dead stub
-        held end when their connections close. (tritonserver itself may also abort when a stub
+        server; with model control off, a whole restart is the one way back. There is no drain
+        then (a dead stub finishes nothing): tritonserver's short exit timeout passes, and the
+        requests the dead stub held end when their connections close. (tritonserver itself may also abort when a stub
         dies holding a shared-memory lock.)"""
         while True:
             stubs = self.stub_pids()
@@ -262,15 +285,37 @@ class Server:
                     raise
 
     def request_stop(self) -> None:
-        """Asks tritonserver to finish in-flight requests and exit (safe in a signal handler)."""
+        """From a signal handler: the first asks for a graceful stop (in a thread, as it waits),
+        a second one cuts the drain short."""
+        if self._is_stopping:
+            self._skip_drain = True
+            return
         self._is_stopping = True
-        self.process.send_signal(signal.SIGINT)
+        threading.Thread(target=self.stop, name="tritone-stop", daemon=True).start()
+
+    def drain(self, timeout: float) -> bool:
+        """Refuses new requests and waits, up to `timeout` seconds, until the engine has
+        finished the ones it holds. Triton 2.51 cannot do this itself for ensemble requests
+        (see tritone.serving.Drain). True if the engine reported itself drained."""
+        self.shutdown_file.touch()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.process.poll() is None and not self._skip_drain:
+            if self.drained_file.exists():
+                return True
+            time.sleep(0.05)
+        return False
 
     def stop(self, timeout: float | None = None, restarting: bool = False) -> int:
+        """Drains (unless restarting after a crash, when nothing could finish), then asks
+        tritonserver to exit, which gives whatever is left its exit timeout."""
         self._is_stopping = self._is_stopping or not restarting
-        timeout = timeout or self.args.exit_timeout + 10
+        # Past its own exit timeout, tritonserver 2.51 has been seen to hang rather than exit
+        # (with a client's gRPC stream still open): after the drain, nothing is lost by killing it.
+        timeout = timeout or self.triton_exit_timeout + 5
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else 0
+        if not restarting and not self.drain(self.args.exit_timeout):
+            print("tritone: requests were still in flight at the end of the drain", file=sys.stderr, flush=True)
         self.process.send_signal(signal.SIGINT)
         try:
             return self.process.wait(timeout)
@@ -329,7 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     server = Server(args)
     server.start()
-    # Ctrl-C or SIGTERM: tritonserver finishes in-flight requests (up to its exit timeout) and exits.
+    # Ctrl-C or SIGTERM: new requests are refused, those in flight finish (up to the exit
+    # timeout), then tritonserver exits; a second Ctrl-C cuts the wait short.
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: server.request_stop())
     try:

@@ -18,7 +18,7 @@ from tritone.engine import AsyncEngine, LLMEngine
 from tritone.metrics import EngineMetrics
 from tritone.request import FinishReason
 from tritone.serving import (
-    ResponseStream, error_message, exit_when_orphaned, model_parameters, parse_llm_request, triton_getter)
+    Drain, ResponseStream, error_message, exit_when_orphaned, model_parameters, parse_llm_request, triton_getter)
 from tritone.text import Detokenizer, load_tokenizer
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -46,6 +46,8 @@ class TritonPythonModel:
         exit_when_orphaned()
         threading.Thread(target=self._watch_cancellations, daemon=True).start()
         threading.Thread(target=self._report_metrics, daemon=True).start()
+        # New requests are refused by preprocessing; this reports when the ones held are done.
+        Drain(params.get("shutdown_file")).watch(lambda: not self.streams, self.stopping)
 
     def execute(self, requests):
         for request in requests:

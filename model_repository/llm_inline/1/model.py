@@ -19,7 +19,7 @@ from tritone.inline import InlineText
 from tritone.metrics import EngineMetrics
 from tritone.request import FinishReason
 from tritone.serving import (
-    ResponseStream, error_message, exit_when_orphaned, model_parameters, triton_getter)
+    SHUTTING_DOWN, Drain, ResponseStream, error_message, exit_when_orphaned, model_parameters, triton_getter)
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _CANCEL_POLL_SECONDS = 0.02
@@ -42,8 +42,15 @@ class TritonPythonModel:
         exit_when_orphaned()
         threading.Thread(target=self._watch_cancellations, daemon=True).start()
         threading.Thread(target=self._report_metrics, daemon=True).start()
+        self.drain = Drain(params.get("shutdown_file"))
+        self.drain.watch(lambda: not self.streams, self.stopping)
 
     def execute(self, requests):
+        if self.drain.requested():
+            for request in requests:
+                request.get_response_sender().send(
+                    pb_utils.InferenceResponse(error=pb_utils.TritonError(SHUTTING_DOWN)), flags=_FINAL)
+            return None
         parsed = self.text.parse([triton_getter(pb_utils, r) for r in requests])
         for request, llm_request in zip(requests, parsed):
             sender = request.get_response_sender()

@@ -9,14 +9,19 @@ except ImportError:  # NVIDIA's container, where the package is installed system
 
 import triton_python_backend_utils as pb_utils
 
-from tritone.serving import Preprocessor, model_parameters, triton_getter
+from tritone.serving import SHUTTING_DOWN, Drain, Preprocessor, model_parameters, triton_getter
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        self.preprocess = Preprocessor(model_parameters(json.loads(args["model_config"])))
+        params = model_parameters(json.loads(args["model_config"]))
+        self.preprocess = Preprocessor(params)
+        # The ensemble's entry: during a drain, new requests stop here.
+        self.drain = Drain(params.get("shutdown_file"))
 
     def execute(self, requests):
+        if self.drain.requested():
+            return [pb_utils.InferenceResponse(error=pb_utils.TritonError(SHUTTING_DOWN)) for _ in requests]
         getters = [triton_getter(pb_utils, r) for r in requests]
         responses = []
         for result in self.preprocess(getters):
