@@ -214,7 +214,8 @@ class Server:
 
     @property
     def drained_file(self) -> pathlib.Path:
-        return self.run_dir / "shutting_down.done"
+        """Created by the engine once drained: Drain.done_path of shutdown_file."""
+        return pathlib.Path(f"{self.shutdown_file}.done")
 
     @property
     def http_url(self) -> str:
@@ -254,8 +255,8 @@ class Server:
         so without this every later request to that model fails until someone restarts the
         server; with model control off, a whole restart is the one way back. There is no drain
         then (a dead stub finishes nothing): tritonserver's short exit timeout passes, and the
-        requests the dead stub held end when their connections close. (tritonserver itself may also abort when a stub
-        dies holding a shared-memory lock.)"""
+        requests the dead stub held end when their connections close. (tritonserver itself may
+        also abort when a stub dies holding a shared-memory lock.)"""
         while True:
             stubs = self.stub_pids()
             while self.process.poll() is None and not self._is_stopping and stubs <= self.stub_pids():

@@ -396,9 +396,7 @@ class Drain:
         def run():
             idle_since = None
             while not stopping.wait(self.poll_seconds):
-                if not self.requested():
-                    idle_since = None
-                elif not is_idle():
+                if not (self.requested() and is_idle()):
                     idle_since = None
                 elif idle_since is None:
                     idle_since = time.monotonic()
