@@ -7,7 +7,8 @@ from transformers import AutoConfig
 from conftest import PROMPTS, hf_greedy
 from tritone.config import EngineConfig
 from tritone.engine import LLMEngine
-from tritone.model_runner import kv_bytes_per_token
+from tritone.executor import kv_bytes_per_token
+from tritone.executor.attention import TorchSDPAAttention
 from tritone.request import FinishReason, SamplingParams
 
 MAX_TOKENS = 12
@@ -58,7 +59,7 @@ def test_staggered_greedy_batch_equals_hf_alone(model_dir, prompt_ids, expected,
 def test_torch_decode_attention_path_equals_hf(model_dir, prompt_ids, expected):
     # The gather-then-SDPA path that CUDA (and CPUs without a C compiler) take.
     engine = make_engine(model_dir)
-    engine.runner.use_native_decode = False
+    engine.runner.attention = TorchSDPAAttention()
     assert run_staggered(engine, prompt_ids) == expected
 
 

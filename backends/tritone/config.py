@@ -5,37 +5,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-import torch
-
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def _cpu_has_fast_bf16() -> bool:
-    # Only AMX makes bf16 matrix products faster than fp32. With AVX512-BF16 alone, oneDNN's
-    # bf16 GEMM measured 0.5x to 0.7x of fp32 at decode batch sizes (2-core Xeon, torch 2.13),
-    # which outweighs the halved memory traffic.
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return "amx_bf16" in flags
-
-
-def resolve_device(device: str) -> torch.device:
-    if device == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
-
-
-def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
-    """`auto` picks bf16 wherever the hardware runs it fast, fp32 elsewhere."""
-    if dtype != "auto":
-        return _DTYPES[dtype]
-    if device.type == "cuda":
-        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
-    return torch.bfloat16 if _cpu_has_fast_bf16() else torch.float32
-
 
 @dataclass(slots=True)
 class EngineConfig:
@@ -59,12 +28,16 @@ class EngineConfig:
     # CPU threads for the model (0: all cores but one, left to the tokenizer, detokenizer and
     # server processes, whose work would otherwise stall every parallel op of the model).
     num_threads: int = 0
+    # torch.compile the forward pass: auto (on CPU where a C++ compiler is present), on, off.
+    compile: str = "auto"
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
             raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
+        if self.compile not in ("auto", "on", "off"):
+            raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

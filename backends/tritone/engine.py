@@ -15,7 +15,7 @@ from transformers import GenerationConfig
 
 from tritone.block_manager import BlockManager
 from tritone.config import EngineConfig
-from tritone.model_runner import ModelRunner
+from tritone.executor import ModelRunner
 from tritone.request import FinishReason, Request, RequestOutput, SamplingParams
 from tritone.sampler import Sampler
 from tritone.scheduler import Scheduler
@@ -131,20 +131,21 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        # Requests whose scheduled tokens reach their end sample a token; unfinished prompt
+        # chunks only fill the cache.
+        sample_rows = [i for i, s in enumerate(batch.scheduled)
+                       if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         f0 = time.perf_counter()
-        logits = self.runner.run(batch)
+        logits = self.runner.run(batch, sample_rows)
         f1 = time.perf_counter()
-        sample_rows, sample_requests = [], []
-        for i, item in enumerate(batch.scheduled):
+        for item in batch.scheduled:
             request, start = item.request, item.request.num_computed_tokens
             self.stats.num_prompt_tokens += max(0, min(start + item.num_tokens, request.num_prompt_tokens) - start)
             request.num_computed_tokens += item.num_tokens
-            if request.num_computed_tokens == request.num_tokens:
-                sample_rows.append(i)
-                sample_requests.append(request)
+        sample_requests = [batch.scheduled[i].request for i in sample_rows]
         outputs = []
         if sample_requests:
-            token_ids, log_probs = self.sampler(logits[sample_rows], sample_requests)
+            token_ids, log_probs = self.sampler(logits, sample_requests)
             outputs = self._update(sample_requests, token_ids, log_probs)
         self.stats.num_steps += 1
         self.stats.forward_seconds += f1 - f0

@@ -1,7 +1,8 @@
-"""Faster CPU forms of a Hugging Face model's layers, swapped in after loading.
+"""The fallback for architectures Tritone has no model definition of: Hugging Face's own module
+code, run with the same paged attention op and the same forward signature as Tritone's models.
 
-Only the module objects change, never the model's own forward code, so this works for any
-architecture that `transformers` ships.
+Only module objects change (faster CPU forms of linears and norms, swapped in after loading),
+never the model's forward code, so this works for any causal LM that `transformers` ships.
 """
 
 from __future__ import annotations
@@ -12,16 +13,45 @@ import textwrap
 import torch
 import torch.nn.functional as F
 from torch import nn
+from transformers import AttentionInterface, AutoModelForCausalLM
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+from tritone.executor.attention import paged_attention
+
+ATTN_IMPLEMENTATION = "tritone_paged"
+
+
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    # query: [1, heads, T, D]; key/value: [1, kv_heads, T, D] -> the op's flat [T, heads, D].
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = paged_attention(query[0].transpose(0, 1), key[0].transpose(0, 1).contiguous(),
+                          value[0].transpose(0, 1).contiguous(), torch.tensor(module.layer_idx), scale)
+    return out.unsqueeze(0), None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, _hf_attention)
+
+
+class HFCausalLM(nn.Module):
+    """A Hugging Face causal LM behind Tritone's model signature."""
+
+    def __init__(self, model_dir: str, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.model = AutoModelForCausalLM.from_pretrained(
+            model_dir, dtype=dtype, attn_implementation=ATTN_IMPLEMENTATION).to(device).eval()
+        if device.type == "cpu":
+            transpose_linears(self.model)
+            fuse_rms_norms(self.model)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+        out = self.model(input_ids=input_ids[None], position_ids=positions[None], use_cache=False,
+                         logits_to_keep=logits_indices)
+        return out.logits[0].float()
 
 
 class TransposedLinear(nn.Module):
-    """`nn.Linear` with its weight stored as [in, out].
-
-    MKL's GEMM runs the small row counts of decode batches (16 to 64 rows) 1.3x to 1.9x faster
-    with the weight in this layout than with nn.Linear's [out, in], and large batches as fast;
-    the weight is transposed once at load time.
-    """
+    """`nn.Linear` with its weight stored as [in, out], the layout MKL runs decode-sized
+    GEMMs fastest in; transposed once at load time."""
 
     def __init__(self, linear: nn.Linear):
         super().__init__()

@@ -1,4 +1,4 @@
-"""The CPU layer rewrites compute what the modules they replace compute."""
+"""The fallback path's CPU layer rewrites compute what the modules they replace compute."""
 
 import torch
 from torch import nn
@@ -6,7 +6,7 @@ from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
 from transformers.models.llama.modeling_llama import LlamaRMSNorm
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from tritone.layers import FusedRMSNorm, TransposedLinear, fuse_rms_norms, transpose_linears
+from tritone.executor.hf import FusedRMSNorm, TransposedLinear, fuse_rms_norms, transpose_linears
 
 
 def test_transposed_linear_matches_linear_with_and_without_bias():

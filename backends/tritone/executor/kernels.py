@@ -1,8 +1,8 @@
 """Native CPU kernels from `csrc/`, compiled with the system C compiler at first use.
 
-The shared library is cached under the Tritone cache directory, keyed by the source and the
-CPU's feature flags (it is built with -march=native). Where no compiler is found or the build
-fails, `paged_decode_attention()` returns None and attention takes its torch path.
+The shared library is cached under the Tritone cache directory, keyed by the source, the flags
+and the CPU's feature flags (it is built with -march=native). Where no compiler is found or the
+build fails, `native_library()` returns None and attention takes its torch path.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_decode.c"
+_SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention.c"
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -41,7 +41,7 @@ def _build() -> ctypes.CDLL:
 
     source = _SOURCE.read_bytes()
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"paged_decode-{key}.so"
+    target = cache_root() / "kernels" / f"paged_attention-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         compiler = os.environ.get("CC", "cc")
@@ -56,9 +56,9 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
-    fn = lib.paged_decode_attention
+    fn = lib.paged_attention
     fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 6 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -75,27 +75,22 @@ def native_library() -> ctypes.CDLL | None:
     return _lib
 
 
-def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                           block_tables: torch.Tensor, context_lens: torch.Tensor, block_size: int,
-                           scale: float) -> torch.Tensor:
-    """Attention of one query token per sequence over its cached context.
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                    query_start: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
+                    out: torch.Tensor) -> None:
+    """Causal attention of each sequence's new tokens over its paged context, into `out`.
 
-    q: [num_seqs, num_heads, head_dim] float32; caches: [num_slots, num_kv_heads, head_dim] float32
-    or bfloat16; block_tables: [num_seqs, max_blocks] int32; context_lens: [num_seqs] int32.
-    Returns [num_seqs, num_heads, head_dim] float32.
+    q, out: [num_tokens, num_heads, head_dim] float32, contiguous; caches: [num_slots,
+    num_kv_heads, head_dim] float32 or bfloat16; block_tables: [num_seqs, max_blocks] int32;
+    query_start: [num_seqs + 1] int32; seq_lens: [num_seqs] int32.
     """
-    lib = native_library()
-    q = q.contiguous()
-    out = torch.empty_like(q)
-    num_seqs, num_heads, head_dim = q.shape
-    rc = lib.paged_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(),
-        context_lens.data_ptr(), out.data_ptr(), num_seqs, num_heads, k_cache.shape[1], head_dim,
-        block_size, block_tables.shape[1], scale, int(k_cache.dtype == torch.bfloat16), torch.get_num_threads())
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    rc = native_library().paged_attention(
+        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), query_start.data_ptr(),
+        seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], num_heads, k_cache.shape[1], head_dim,
+        block_size, block_tables.shape[1], scale, int(k_cache.dtype == torch.bfloat16),
+        torch.get_num_threads())
+    if rc == -2:
+        raise ValueError(f"paged_attention supports head sizes that are multiples of 8 up to 256, not {head_dim}")
     if rc != 0:
-        raise MemoryError("paged_decode_attention could not allocate its scratch space")
-    return out
-
-
-def is_supported(device: torch.device, dtype: torch.dtype) -> bool:
-    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and native_library() is not None
+        raise MemoryError("paged_attention could not allocate its scratch space")

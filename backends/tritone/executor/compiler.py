@@ -1,0 +1,79 @@
+"""Compiling the forward pass with torch.compile (inductor) on CPU.
+
+The decoder layer is compiled once and its graph serves every layer: the layer's weights are
+graph inputs, its index reaches the attention op as a tensor, and the token count is symbolic
+(at least 2: the runner pads a single token, since inductor specialises a size of 1). That
+takes seconds, where tracing all layers as one graph took minutes on these 2-core machines.
+Inductor fuses the small ops around the GEMMs (RMSNorm with the residual add, RoPE, SiLU * up)
+and removes the per-op Python of eager mode; the GEMMs and paged attention stay opaque ops
+(gemm.py, attention.py). The compile cache lives under the Tritone cache directory, so a
+restart loads the compiled code instead of compiling again.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def cache_dir():
+    from tritone.models import cache_root
+
+    return cache_root() / "compile"
+
+
+def should_compile(mode: str, device: torch.device) -> bool:
+    """`on` and `auto` compile on CPU where a C++ compiler is present (`auto` says nothing when
+    it is not; `on` logs why not); `off` never. On CUDA the forward runs eagerly (see the README)."""
+    if mode == "off" or device.type != "cpu":
+        return False
+    if shutil.which(os.environ.get("CXX", "c++")) is None:
+        if mode == "on":
+            logger.warning("--compile on: no C++ compiler found, serving the eager model")
+        return False
+    return True
+
+
+_compiled: dict = {}
+
+
+def compile_model(model: torch.nn.Module) -> bool:
+    """Compiles the decoder layer's forward of Tritone's own model in place; False where the
+    model is not one of ours or torch.compile cannot be set up (logged)."""
+    from tritone.executor.llama import DecoderLayer, LlamaForCausalLM
+
+    if not isinstance(model, LlamaForCausalLM):
+        logger.info("the Hugging Face fallback model runs eagerly")
+        return False
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+    # One compile worker: the machine's other cores serve requests while a server starts.
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
+    try:
+        import torch._inductor.config as inductor_config
+
+        inductor_config.fx_graph_cache = True
+        inductor_config.cpp.dynamic_threads = True
+        key = (model.spec, model.embed_tokens.weight.dtype)
+        if key not in _compiled:
+            # Guards are dropped, as vLLM does: every call has the same dtypes and layouts, the
+            # layer's weights are inputs, and the token count is symbolic, so the checks that
+            # would run before each of the layers' calls could only pass. The compiled function
+            # is therefore shared only between models of one shape and dtype.
+            _compiled[key] = torch.compile(DecoderLayer.forward, backend="inductor", fullgraph=True, dynamic=True,
+                                           options={"guard_filter_fn": lambda guards: [False for _ in guards]})
+        model.layer_forward = _compiled[key]
+        return True
+    except Exception as exc:
+        logger.warning("torch.compile is unavailable, serving the eager model: %s", exc)
+        return False
+
+
+def restore_eager(model: torch.nn.Module) -> None:
+    from tritone.executor.llama import DecoderLayer
+
+    model.layer_forward = DecoderLayer.forward

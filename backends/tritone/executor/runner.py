@@ -1,0 +1,195 @@
+"""Runs the model over a packed batch with the engine's paged KV cache.
+
+`ModelRunner.run(batch, sample_rows)` turns the scheduler's output into flat token ids,
+positions, a block table and a slot mapping (array work, one loop over the batch's requests),
+sets the attention metadata, and returns logits only at the rows that are sampled.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+
+import numpy as np
+import torch
+from transformers import AutoConfig
+
+from tritone.config import EngineConfig
+from tritone.executor import attention, compiler, gemm, hardware, llama
+from tritone.executor.loader import load_weights
+from tritone.scheduler import SchedulerOutput
+
+logger = logging.getLogger(__name__)
+
+
+def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
+    text_config = hf_config.get_text_config()
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    return 2 * text_config.num_hidden_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def _available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def build_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int):
+    """Tritone's own model where the architecture is covered, else Hugging Face's modules."""
+    text_config = hf_config.get_text_config()
+    reason = llama.unsupported_reason(text_config)
+    if reason is None:
+        spec = llama.spec_from_config(text_config, max_model_len)
+        with torch.device(device):
+            model = llama.LlamaForCausalLM(spec, llama.rope_table(text_config, spec), dtype)
+        load_weights(model, model_dir)
+        logger.info("model definition: Tritone's Llama family (%s)", text_config.architectures[0])
+        if device.type == "cpu" and gemm.onednn_available():
+            prepack_linears(model, dtype)
+        return model.eval()
+    from tritone.executor.hf import HFCausalLM
+
+    logger.info("model definition: Hugging Face modules (%s)", reason)
+    return HFCausalLM(model_dir, dtype, device)
+
+
+def prepack_linears(model: torch.nn.Module, dtype: torch.dtype) -> None:
+    """Prepacks the weights of every linear whose shape measured faster that way."""
+    from tritone.models import cache_root
+
+    linears = [m for m in model.modules() if isinstance(m, llama.Linear)]
+    shapes = {tuple(m.weight.shape) for m in linears}
+    choice = gemm.choose_packing(shapes, dtype, cache_root() / "hardware" / f"gemm-{hardware.cpu_key()}.json")
+    for m in linears:
+        if choice[tuple(m.weight.shape)]:
+            m.prepack()
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig):
+        self.device = hardware.resolve_device(config.device)
+        if self.device.type == "cpu":
+            torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) - 1))
+        self.dtype = hardware.resolve_dtype(config.dtype, self.device)
+        torch.manual_seed(config.seed)
+        self.hf_config = AutoConfig.from_pretrained(config.model)
+        text_config = self.hf_config.get_text_config()
+        self.vocab_size = text_config.vocab_size
+        self.max_model_len = config.max_model_len or text_config.max_position_embeddings
+        self.block_size = config.block_size
+        self.num_blocks = self._num_kv_blocks(config)
+        self.model = build_model(config.model, self.hf_config, self.dtype, self.device, self.max_model_len)
+        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        # One slot past the last block takes the keys and values of padding rows.
+        self.pad_slot = self.num_blocks * self.block_size
+        self.kv_caches = [
+            (torch.zeros(self.pad_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device),
+             torch.zeros(self.pad_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
+            for _ in range(text_config.num_hidden_layers)
+        ]
+        self.attention = attention.select_backend(self.device, self.dtype, head_dim)
+        logger.info("model %s on %s in %s, %d CPU threads, attention %s; KV cache %d blocks of %d tokens",
+                    config.model, self.device, self.dtype, torch.get_num_threads(), self.attention.name,
+                    self.num_blocks, self.block_size)
+        # The compiled layer is traced for two or more tokens: a single token gets a padding row.
+        self.min_tokens = 1
+        self.compile_seconds = 0.0
+        if compiler.should_compile(config.compile, self.device):
+            t0 = time.perf_counter()
+            if compiler.compile_model(self.model):
+                self.min_tokens = 2
+                if self._warm_up():
+                    self.compile_seconds = time.perf_counter() - t0
+                    logger.info("compiled the forward pass in %.1f s (cache: %s)", self.compile_seconds,
+                                compiler.cache_dir())
+                else:
+                    compiler.restore_eager(self.model)
+                    self.min_tokens = 1
+
+    def _num_kv_blocks(self, config: EngineConfig) -> int:
+        per_block = kv_bytes_per_token(self.hf_config, self.dtype) * self.block_size
+        budget = config.kv_cache_bytes or int(_available_bytes(self.device) * config.kv_cache_fraction)
+        num_blocks = budget // per_block
+        if num_blocks < 1:
+            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
+        return int(num_blocks)
+
+    def _warm_up(self) -> bool:
+        """Runs the compiled model on batches of several sizes so that no request pays for
+        compiling; a failure falls back to eager with one log line."""
+        try:
+            for num_tokens, num_seqs in ((16, 2), (3, 3), (64, 1)):
+                self._forward(*self._dummy_batch(num_tokens, num_seqs))
+            return True
+        except Exception as exc:  # any compiler fault: the eager model still serves
+            logger.warning("torch.compile failed, serving the eager model: %s: %s", type(exc).__name__,
+                           str(exc).splitlines()[0] if str(exc) else "")
+            return False
+
+    def _dummy_batch(self, num_tokens: int, num_seqs: int):
+        """num_seqs sequences sharing num_tokens query tokens, over block 0, writing nowhere."""
+        q_lens = np.full(num_seqs, num_tokens // num_seqs)
+        q_lens[-1] += num_tokens - q_lens.sum()
+        query_start = np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32)
+        seq_lens = q_lens.astype(np.int32)
+        max_blocks = -(-int(seq_lens.max()) // self.block_size)
+        if max_blocks > self.num_blocks:
+            raise ValueError("the KV cache is too small for the warm-up batch")
+        tables = np.tile(np.arange(max_blocks, dtype=np.int32), (num_seqs, 1))
+        ids = np.zeros(num_tokens, dtype=np.int64)
+        positions = np.concatenate([np.arange(n) for n in q_lens]).astype(np.int64)
+        slots = np.full(num_tokens, self.pad_slot, dtype=np.int64)
+        return ids, positions, slots, tables, query_start, seq_lens, query_start[1:] - 1, 0
+
+    @torch.inference_mode()
+    def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
+        """Computes the scheduled tokens; returns logits [len(sample_rows), vocab] float32 at the
+        last scheduled token of each request `batch.scheduled[i]` for i in sample_rows."""
+        scheduled = batch.scheduled
+        num_seqs = len(scheduled)
+        starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, num_seqs)
+        q_lens = np.fromiter((s.num_tokens for s in scheduled), np.int64, num_seqs)
+        seq_lens = starts + q_lens
+        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+        np.cumsum(q_lens, out=query_start[1:])
+        num_tokens = int(query_start[-1])
+        bs = self.block_size
+        max_blocks = int(-(-seq_lens.max() // bs))
+        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        ids = []
+        num_decodes = 0
+        # The one loop over the batch's requests.
+        for i, item in enumerate(scheduled):
+            request, start = item.request, int(starts[i])
+            ids.extend(request.tokens_slice(start, start + item.num_tokens))
+            row = request.block_ids[: -(-int(seq_lens[i]) // bs)]
+            tables[i, :len(row)] = row
+            if item.num_tokens == 1 and num_decodes == i:
+                num_decodes += 1
+        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+        positions = np.arange(num_tokens) - query_start[seq_of_token] + starts[seq_of_token]
+        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+        logits_indices = query_start[1:][sample_rows] - 1
+        return self._forward(np.asarray(ids, dtype=np.int64), positions, slots, tables,
+                             query_start.astype(np.int32), seq_lens.astype(np.int32), logits_indices, num_decodes)
+
+    @torch.inference_mode()
+    def _forward(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices,
+                 num_decodes) -> torch.Tensor:
+        pad = self.min_tokens - len(ids)
+        if pad > 0:  # padding tokens: id 0 at position 0, written to the spare slot, in no sequence
+            ids = np.concatenate([ids, np.zeros(pad, np.int64)])
+            positions = np.concatenate([positions, np.zeros(pad, np.int64)])
+            slots = np.concatenate([slots, np.full(pad, self.pad_slot, np.int64)])
+        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+        meta = attention.AttentionMetadata(
+            slot_mapping=to(slots), block_tables=to(tables), query_start=to(query_start), seq_lens=to(seq_lens),
+            query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(), num_decodes=num_decodes,
+            block_size=self.block_size)
+        input_ids, pos, rows = to(ids), to(positions), to(logits_indices)
+        with attention.forward_context(self.kv_caches, meta, self.attention):
+            return self.model(input_ids, pos, rows)
