@@ -117,7 +117,7 @@ def run_hf(model_dir, factory, prompt_tokens: int, output_tokens: int, batches: 
     import torch
 
     from benchmark import hf_baseline
-    from tritone.config import resolve_dtype
+    from tritone.executor.hardware import resolve_dtype
 
     dtype = resolve_dtype("auto", torch.device("cpu"))
     ids = [factory.tokenizer(factory.make(prompt_tokens)).input_ids for _ in range(max(batches))]

@@ -23,7 +23,7 @@ import tritonclient.grpc.aio as grpcaio
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tritone.config import resolve_dtype
+from tritone.executor.hardware import resolve_dtype
 from tritone.launcher import Server, build_parser, free_port
 from tritone.models import resolve_model
 from tritone_client import infer_inputs

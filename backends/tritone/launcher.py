@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue-len", type=int, default=0, help="waiting requests beyond this get 'server busy' (0: no limit)")
     p.add_argument("--num-threads", type=int, default=0,
                    help="CPU threads for the model (0: all cores but one, left to the text stages)")
+    p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
+                   help="torch.compile the model's forward on CPU (auto: where a C++ compiler is present); "
+                        "the first start compiles, later starts load the cache")
     p.add_argument("--no-prefix-caching", action="store_true")
     p.add_argument("--chat-template", default="auto", choices=["auto", "never"],
                    help="auto: wrap text_input in the model's chat template when it has one")
@@ -154,6 +157,7 @@ def template_values(args, model_dir: pathlib.Path) -> dict[str, str]:
         "max_input_bytes": args.max_input_bytes,
         "max_queue_len": args.max_queue_len,
         "num_threads": args.num_threads,
+        "compile": args.compile,
         "enable_prefix_caching": str(not args.no_prefix_caching).lower(),
         "chat_template": args.chat_template,
     }
@@ -374,6 +378,7 @@ Metrics: http://{a.host}:{a.metrics_port}/metrics    Stop: Ctrl-C
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     server = Server(args)
+    started = time.monotonic()
     server.start()
     # Ctrl-C or SIGTERM: new requests are refused, those in flight finish (up to the exit
     # timeout), then tritonserver exits; a second Ctrl-C cuts the wait short.
@@ -385,6 +390,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         server.stop()
         return 1
+    print(f"Ready in {time.monotonic() - started:.1f} s.", flush=True)
     _print_usage(server)
     return server.supervise()
 

@@ -12,6 +12,7 @@ restart loads the compiled code instead of compiling again.
 
 from __future__ import annotations
 
+import locale
 import logging
 import os
 import shutil
@@ -50,6 +51,7 @@ def compile_model(model: torch.nn.Module) -> bool:
     if not isinstance(model, LlamaForCausalLM):
         logger.info("the Hugging Face fallback model runs eagerly")
         return False
+    _use_utf8_locale()
     os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     # One compile worker: the machine's other cores serve requests while a server starts.
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
@@ -71,6 +73,19 @@ def compile_model(model: torch.nn.Module) -> bool:
     except Exception as exc:
         logger.warning("torch.compile is unavailable, serving the eager model: %s", exc)
         return False
+
+
+def _use_utf8_locale() -> None:
+    """Inductor reads and writes its generated sources with open()'s default encoding. Triton's
+    Python backend stub embeds Python without setting the locale, so that default is ASCII there
+    and the first non-ASCII byte fails the compile; UTF-8 is what Python itself uses by default."""
+    if locale.getpreferredencoding(False).lower().replace("-", "") != "utf8":
+        for name in ("C.UTF-8", "C.utf8", "en_US.UTF-8"):
+            try:
+                locale.setlocale(locale.LC_CTYPE, name)
+                return
+            except locale.Error:
+                continue
 
 
 def restore_eager(model: torch.nn.Module) -> None:

@@ -126,8 +126,12 @@ class ModelRunner:
                 self._forward(*self._dummy_batch(num_tokens, num_seqs))
             return True
         except Exception as exc:  # any compiler fault: the eager model still serves
-            logger.warning("torch.compile failed, serving the eager model: %s: %s", type(exc).__name__,
-                           str(exc).splitlines()[0] if str(exc) else "")
+            cause = exc
+            while cause.__cause__ is not None:
+                cause = cause.__cause__
+            lines = [line for line in str(cause).splitlines() if line.strip()]
+            logger.warning("torch.compile failed, serving the eager model: %s: %s", type(cause).__name__,
+                           " / ".join(lines[:3])[:500])
             return False
 
     def _dummy_batch(self, num_tokens: int, num_seqs: int):

@@ -3,6 +3,7 @@ the rest, and responses go out through each request's decoupled response sender.
 
 import itertools
 import json
+import logging
 import threading
 import time
 
@@ -29,6 +30,8 @@ _METRICS_SECONDS = 1.0
 
 class TritonPythonModel:
     def initialize(self, args):
+        # The engine logs what it measured and chose at start (dtype, GEMM, compile time).
+        logging.basicConfig(level=logging.INFO, format="[tritone] %(name)s: %(message)s")
         params = model_parameters(json.loads(args["model_config"]))
         config = EngineConfig.from_parameters(params["model_dir"], params)
         self.streams = {}

@@ -3,6 +3,7 @@ of preprocessing and postprocessing (tritone.inline) done in this process."""
 
 import itertools
 import json
+import logging
 import threading
 import time
 
@@ -28,6 +29,8 @@ _METRICS_SECONDS = 1.0
 
 class TritonPythonModel:
     def initialize(self, args):
+        # The engine logs what it measured and chose at start (dtype, GEMM, compile time).
+        logging.basicConfig(level=logging.INFO, format="[tritone] %(name)s: %(message)s")
         params = model_parameters(json.loads(args["model_config"]))
         self.text = InlineText(params)
         self.streams = {}
