@@ -1,38 +1,55 @@
-"""The native decode-attention kernel against torch's SDPA over the same paged cache."""
+"""The native paged-attention kernel against torch's SDPA over the same paged cache: decodes,
+whole prompts, later prompt chunks and tails after prefix hits, in one packed batch."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from tritone import kernels
+from tritone.executor import kernels
+from tritone.executor.attention import AttentionMetadata, NativeCPUAttention, TorchSDPAAttention
 
 
 def test_kernel_builds():
     assert kernels.native_library() is not None, "the native kernel did not build: is a C compiler on PATH?"
 
 
-def reference(q, k_cache, v_cache, tables, lengths, block_size):
-    outs = []
-    for i, n in enumerate(lengths.tolist()):
-        slots = (tables[i].long()[:, None] * block_size + torch.arange(block_size)).flatten()[:n]
-        k = k_cache[slots].float().transpose(0, 1)  # [kv_heads, n, D]
-        v = v_cache[slots].float().transpose(0, 1)
-        outs.append(F.scaled_dot_product_attention(q[i][:, None], k, v, enable_gqa=True)[:, 0])
-    return torch.stack(outs)
+def packed_batch(gen, heads, kv_heads, dim, dtype, block_size=4):
+    # (query tokens, context length): two decodes, a whole prompt, a later chunk, a one-token
+    # tail after a prefix hit, a prompt longer than the kernel's query tile.
+    layout = [(1, 9), (1, 1), (6, 6), (5, 23), (1, 17), (37, 40)]
+    num_blocks = sum(-(-ctx // block_size) for _, ctx in layout) + 5
+    max_blocks = max(-(-ctx // block_size) for _, ctx in layout)
+    # Blocks scattered over the cache, as after many requests came and went.
+    order = torch.randperm(num_blocks, generator=gen).int()
+    tables, used = torch.zeros(len(layout), max_blocks, dtype=torch.int32), 0
+    for i, (_, ctx) in enumerate(layout):
+        n = -(-ctx // block_size)
+        tables[i, :n] = order[used:used + n]
+        used += n
+    query_start = torch.tensor([0] + [q for q, _ in layout], dtype=torch.int32).cumsum(0).int()
+    seq_lens = torch.tensor([ctx for _, ctx in layout], dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=None, block_tables=tables, query_start=query_start, seq_lens=seq_lens,
+                             query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(),
+                             num_decodes=2, block_size=block_size)
+    k_cache = torch.randn(num_blocks * block_size + 1, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size + 1, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(int(query_start[-1]), heads, dim, generator=gen)
+    return q, k_cache, v_cache, meta
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads", [(9, 3), (4, 4), (8, 1)])
-def test_kernel_matches_sdpa(dtype, heads, kv_heads):
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 1, 48)])
+def test_kernel_matches_sdpa(dtype, heads, kv_heads, dim):
     gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
-    block_size, num_blocks, dim = 4, 64, 32
-    lengths = torch.tensor([1, 3, 4, 5, 17, 40], dtype=torch.int32)
-    max_blocks = -(-int(lengths.max()) // block_size)
-    # Blocks scattered over the cache, as after many requests came and went.
-    tables = torch.randperm(num_blocks, generator=gen)[: len(lengths) * max_blocks].view(len(lengths), -1).int()
-    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen).to(dtype)
-    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen).to(dtype)
-    q = torch.randn(len(lengths), heads, dim, generator=gen)
-    got = kernels.paged_decode_attention(q, k_cache, v_cache, tables, lengths, block_size, dim ** -0.5)
-    torch.testing.assert_close(got, reference(q, k_cache, v_cache, tables, lengths, block_size),
-                               rtol=1e-4, atol=1e-5)
+    q, k_cache, v_cache, meta = packed_batch(gen, heads, kv_heads, dim, dtype)
+    got = NativeCPUAttention().forward(q, k_cache, v_cache, meta, dim ** -0.5)
+    want = TorchSDPAAttention().forward(q, k_cache.float(), v_cache.float(), meta, dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_unsupported_head_size_is_refused():
+    q = torch.zeros(1, 1, 12)
+    cache = torch.zeros(4, 1, 12)
+    one = torch.ones(1, dtype=torch.int32)
+    with pytest.raises(ValueError, match="head sizes"):
+        kernels.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                torch.tensor([0, 1], dtype=torch.int32), one, 4, 1.0, torch.empty_like(q))

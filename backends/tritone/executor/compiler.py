@@ -16,6 +16,7 @@ import locale
 import logging
 import os
 import shutil
+import types
 
 import torch
 
@@ -65,14 +66,21 @@ def compile_model(model: torch.nn.Module) -> bool:
             # Guards are dropped, as vLLM does: every call has the same dtypes and layouts, the
             # layer's weights are inputs, and the token count is symbolic, so the checks that
             # would run before each of the layers' calls could only pass. The compiled function
-            # is therefore shared only between models of one shape and dtype.
-            _compiled[key] = torch.compile(DecoderLayer.forward, backend="inductor", fullgraph=True, dynamic=True,
+            # is shared only between models of one shape and dtype, and each gets a copy of the
+            # function of its own, since dynamo keeps compiled code on the function's code object.
+            _compiled[key] = torch.compile(_copy(DecoderLayer.forward, len(_compiled)), backend="inductor",
+                                           fullgraph=True, dynamic=False,
                                            options={"guard_filter_fn": lambda guards: [False for _ in guards]})
         model.layer_forward = _compiled[key]
         return True
     except Exception as exc:
         logger.warning("torch.compile is unavailable, serving the eager model: %s", exc)
         return False
+
+
+def _copy(fn, serial: int):
+    code = fn.__code__.replace(co_name=f"{fn.__name__}_{serial}")
+    return types.FunctionType(code, fn.__globals__, code.co_name, fn.__defaults__, fn.__closure__)
 
 
 def _use_utf8_locale() -> None:

@@ -10,15 +10,20 @@ tensor, so that the op stays opaque to torch.compile and one compiled graph serv
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import time
+import weakref
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_packed: list[torch.Tensor | None] = []
+# Packed weights by index; the Linear layer that owns one holds it, so that it goes away with
+# its model (engines come and go in one process: tests, restarts after a failed start).
+_packed: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_next_index = itertools.count()
 # Rows from which a GEMM counts as a batch (below: the single-row choice).
 _BATCH_ROWS = 16
 
@@ -27,20 +32,21 @@ def onednn_available() -> bool:
     return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
 
 
-def pack(weight_t: torch.Tensor) -> torch.Tensor:
-    """Registers a oneDNN-prepacked copy of `weight_t` ([in, out]); returns its 0-d index."""
+def pack(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """A oneDNN-prepacked copy of `weight_t` ([in, out]), registered for the `tritone::linear`
+    op, and its 0-d index; the caller keeps the copy alive."""
     packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), _BATCH_ROWS)
-    _packed.append(packed)
-    return torch.tensor(len(_packed) - 1)
+    index = next(_next_index)
+    _packed[index] = packed
+    return packed, torch.tensor(index)
 
 
 @torch.library.custom_op("tritone::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
-    """x @ weight (+ bias), weight [in, out]; `packed` indexes a prepacked copy (-1: none),
-    used for batches of two or more rows."""
-    index = int(packed)
-    if index >= 0 and x.shape[0] > 1:
-        return torch.ops.mkldnn._linear_pointwise(x, _packed[index], bias, "none", [], "")
+    """x @ weight (+ bias), weight [in, out]; `packed` indexes a prepacked copy, used for
+    batches of two or more rows."""
+    if x.shape[0] > 1:
+        return torch.ops.mkldnn._linear_pointwise(x, _packed[int(packed)], bias, "none", [], "")
     return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
 
 
@@ -61,10 +67,14 @@ def _time(fn, seconds: float = 0.03) -> float:
 
 
 def measure_packed_faster(in_features: int, out_features: int, dtype: torch.dtype) -> bool:
-    """Whether oneDNN on packed weights beats torch.mm for a batch of decode rows."""
+    """Whether oneDNN on packed weights beats torch.mm for a batch of decode rows (False where
+    oneDNN cannot pack this dtype on this CPU, such as bf16 without AVX-512)."""
     gen = torch.Generator().manual_seed(0)
     weight_t = torch.randn(in_features, out_features, generator=gen).to(dtype)
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), _BATCH_ROWS)
+    try:
+        packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), _BATCH_ROWS)
+    except RuntimeError:
+        return False
     x = torch.randn(_BATCH_ROWS * 2, in_features, generator=gen).to(dtype)
     mkl = _time(lambda: torch.mm(x, weight_t))
     onednn = _time(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))

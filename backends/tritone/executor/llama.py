@@ -117,7 +117,7 @@ class Linear(nn.Module):
         self.register_buffer("packed", None, persistent=False)  # index of a prepacked copy (gemm.py)
 
     def prepack(self) -> None:
-        self.packed = gemm.pack(self.weight)
+        self.packed_weight, self.packed = gemm.pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -229,6 +229,10 @@ class LlamaForCausalLM(nn.Module):
         cos = torch.cat([table[:, :half], table[:, :half]], dim=-1).to(x.dtype)[:, None, :]
         sin = torch.cat([table[:, half:], table[:, half:]], dim=-1).to(x.dtype)[:, None, :]
         residual = torch.zeros_like(x)
+        if self.layer_forward is not DecoderLayer.forward:
+            # The compiled layer is traced with the token count symbolic, and nothing else.
+            for t in (x, residual, cos, sin):
+                torch._dynamo.mark_dynamic(t, 0, min=2, max=1 << 20)
         for layer in self.layers:
             x, residual = self.layer_forward(layer, x, residual, cos, sin)
         x = (x + residual)[logits_indices]

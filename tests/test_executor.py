@@ -1,0 +1,151 @@
+"""Tritone's own model definitions against Hugging Face's, on tiny random checkpoints built here
+(Qwen2 with QKV bias, Qwen3 with q/k norm, Llama 3 RoPE scaling, sharded weights), compiled and
+eager; the Hugging Face fallback for an architecture not covered; a compile that fails; the
+measured dtype; the default model in bf16 against Hugging Face bf16."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Qwen2Config, Qwen3Config
+
+from conftest import PROMPTS
+from tritone.config import EngineConfig
+from tritone.engine import LLMEngine
+from tritone.executor import compiler, gemm, hardware, llama
+from tritone.executor.hf import HFCausalLM
+from tritone.request import SamplingParams
+
+MAX_TOKENS = 8
+COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,
+              # Large weights make the logits peaked, so that greedy choices are not near-ties that
+              # GEMM rounding could flip.
+              initializer_range=0.3)
+CONFIGS = {
+    "qwen2": lambda: Qwen2Config(**COMMON),
+    "qwen3": lambda: Qwen3Config(**COMMON),
+    "llama3": lambda: LlamaConfig(**{**COMMON, "tie_word_embeddings": True}, rope_parameters={
+        "rope_type": "llama3", "rope_theta": 10000.0, "factor": 8.0, "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0, "original_max_position_embeddings": 32}),
+    "gemma": lambda: GemmaConfig(**COMMON),
+}
+
+
+def build_tiny(name, path):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(CONFIGS[name]()).eval()
+    # Small shards, so that loading walks several files.
+    model.save_pretrained(path, max_shard_size="200KB")
+    return name, path, model
+
+
+@pytest.fixture(scope="module", params=sorted(CONFIGS))
+def tiny(request, tmp_path_factory):
+    return build_tiny(request.param, tmp_path_factory.mktemp(request.param))
+
+
+def prompts(n=4):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randint(3, 384, (length,), generator=gen).tolist() for length in (5, 17, 40, 3)[:n]]
+
+
+def hf_greedy(model, ids):
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+                             max_new_tokens=MAX_TOKENS, min_new_tokens=MAX_TOKENS, do_sample=False)
+    return out[0, len(ids):].tolist()
+
+
+def engine_greedy(model_dir, prompt_ids, **overrides):
+    config = dict(model=str(model_dir), dtype="float32", kv_cache_bytes=8 << 20, block_size=4,
+                  max_num_batched_tokens=32)
+    config.update(overrides)
+    engine = LLMEngine(EngineConfig(**config))
+    for i, ids in enumerate(prompt_ids):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=MAX_TOKENS, end_id=-1))
+    outputs = {str(i): [] for i in range(len(prompt_ids))}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            outputs[out.request_id].extend(out.new_token_ids)
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+    return engine, [outputs[str(i)] for i in range(len(prompt_ids))]
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+def test_tiny_models_equal_hugging_face(tiny, mode):
+    name, path, hf = tiny
+    ids = prompts()
+    engine, got = engine_greedy(path, ids, compile=mode)
+    model = engine.runner.model
+    if name == "gemma":  # (1 + weight) norms: not a Llama-family model, so the fallback serves it
+        assert isinstance(model, HFCausalLM)
+    else:
+        assert isinstance(model, llama.LlamaForCausalLM)
+        assert (engine.runner.compile_seconds > 0) == (mode == "on")
+    assert got == [hf_greedy(hf, p) for p in ids]
+
+
+def test_failed_compile_falls_back_to_eager(tmp_path, monkeypatch):
+    name, path, hf = build_tiny("qwen3", tmp_path)
+
+    def broken(fn, **kwargs):
+        def raises(*args):
+            raise RuntimeError("inductor exploded")
+        return raises
+
+    monkeypatch.setattr(compiler, "_compiled", {})
+    monkeypatch.setattr(compiler.torch, "compile", broken)
+    ids = prompts(2)
+    engine, got = engine_greedy(path, ids, compile="on")
+    assert engine.runner.compile_seconds == 0
+    assert engine.runner.model.layer_forward is llama.DecoderLayer.forward
+    assert got == [hf_greedy(hf, p) for p in ids]
+
+
+def test_dtype_is_measured_once_and_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITONE_CACHE", str(tmp_path))
+    calls = []
+    real = hardware.measure_gemm_gflops
+    monkeypatch.setattr(hardware, "measure_gemm_gflops", lambda dtype: calls.append(dtype) or real(dtype, 0.02))
+    first = hardware.fastest_cpu_dtype()
+    assert first in (torch.float32, torch.bfloat16) and len(calls) == 2
+    assert hardware.fastest_cpu_dtype() == first and len(calls) == 2  # from the cache
+    assert list((tmp_path / "hardware").glob("cpu-*.json"))
+
+
+@pytest.mark.parametrize("rows", [1, 2, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_linear_op_on_packed_weights_equals_mm(rows, bias):
+    assert gemm.onednn_available(), "the pinned torch CPU wheel ships oneDNN"
+    gen = torch.Generator().manual_seed(rows)
+    layer = llama.Linear(48, 80, bias, torch.float32)
+    torch.nn.init.normal_(layer.weight, generator=gen)
+    if bias:
+        torch.nn.init.normal_(layer.bias, generator=gen)
+    x = torch.randn(rows, 48, generator=gen)
+    want = layer(x)
+    layer.prepack()
+    torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+
+
+def top_k_ids(logits: torch.Tensor, k: int = 5) -> list[int]:
+    return logits.topk(k).indices.tolist()
+
+
+def test_default_model_in_bf16_is_close_to_hugging_face_bf16(model_dir, tokenizer):
+    """vLLM's check_logprobs_close: the greedy sequences may part where bf16 rounding flips a
+    near-tie, but at the first step where they differ, each token is in the other's top 5."""
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    ids = [tokenizer(p).input_ids for p in PROMPTS[:4]]
+    engine, got = engine_greedy(model_dir, ids, dtype="bfloat16", compile="off", kv_cache_bytes=32 << 20,
+                                block_size=16, max_num_batched_tokens=256)
+    assert engine.runner.dtype == torch.bfloat16
+    for prompt, ours in zip(ids, got):
+        theirs = hf_greedy(hf, prompt)
+        for step, (a, b) in enumerate(zip(ours, theirs)):
+            if a != b:
+                with torch.inference_mode():
+                    logits = hf(torch.tensor([prompt + theirs[:step]])).logits[0, -1]
+                assert a in top_k_ids(logits), (prompt, step)
+                break
