@@ -2,7 +2,7 @@
 
 The decoder layer is compiled once and its graph serves every layer: the layer's weights are
 graph inputs, its index reaches the attention op as a tensor, and the token count is symbolic
-(at least 2: the runner pads a single token, since inductor specialises a size of 1). That
+(two or more; a lone token runs the eager layer, whose unpadded GEMV is fastest). That
 takes seconds, where tracing all layers as one graph took minutes on these 2-core machines.
 Inductor fuses the small ops around the GEMMs (RMSNorm with the residual add, RoPE, SiLU * up)
 and removes the per-op Python of eager mode; the GEMMs and paged attention stay opaque ops

@@ -229,12 +229,17 @@ class LlamaForCausalLM(nn.Module):
         cos = torch.cat([table[:, :half], table[:, :half]], dim=-1).to(x.dtype)[:, None, :]
         sin = torch.cat([table[:, half:], table[:, half:]], dim=-1).to(x.dtype)[:, None, :]
         residual = torch.zeros_like(x)
-        if self.layer_forward is not DecoderLayer.forward:
+        layer_forward = self.layer_forward
+        if x.shape[0] == 1:
+            # A lone token runs eagerly: its GEMMs are matrix-vector products, which MKL runs
+            # fastest unpadded, and there is no batch for fused elementwise work to pay off on.
+            layer_forward = DecoderLayer.forward
+        elif layer_forward is not DecoderLayer.forward:
             # The compiled layer is traced with the token count symbolic, and nothing else.
             for t in (x, residual, cos, sin):
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=1 << 20)
         for layer in self.layers:
-            x, residual = self.layer_forward(layer, x, residual, cos, sin)
+            x, residual = layer_forward(layer, x, residual, cos, sin)
         x = (x + residual)[logits_indices]
         x = self.norm(x)
         return self.lm_head(x).float()

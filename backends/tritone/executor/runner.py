@@ -84,31 +84,27 @@ class ModelRunner:
         self.model = build_model(config.model, self.hf_config, self.dtype, self.device, self.max_model_len)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
         num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
-        # One slot past the last block takes the keys and values of padding rows.
-        self.pad_slot = self.num_blocks * self.block_size
+        # One slot past the last block takes the keys and values of the warm-up's tokens.
+        self.spare_slot = self.num_blocks * self.block_size
         self.kv_caches = [
-            (torch.zeros(self.pad_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device),
-             torch.zeros(self.pad_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
+            (torch.zeros(self.spare_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device),
+             torch.zeros(self.spare_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
             for _ in range(text_config.num_hidden_layers)
         ]
         self.attention = attention.select_backend(self.device, self.dtype, head_dim)
         logger.info("model %s on %s in %s, %d CPU threads, attention %s; KV cache %d blocks of %d tokens",
                     config.model, self.device, self.dtype, torch.get_num_threads(), self.attention.name,
                     self.num_blocks, self.block_size)
-        # The compiled layer is traced for two or more tokens: a single token gets a padding row.
-        self.min_tokens = 1
         self.compile_seconds = 0.0
         if compiler.should_compile(config.compile, self.device):
             t0 = time.perf_counter()
             if compiler.compile_model(self.model):
-                self.min_tokens = 2
                 if self._warm_up():
                     self.compile_seconds = time.perf_counter() - t0
                     logger.info("compiled the forward pass in %.1f s (cache: %s)", self.compile_seconds,
                                 compiler.cache_dir())
                 else:
                     compiler.restore_eager(self.model)
-                    self.min_tokens = 1
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         per_block = kv_bytes_per_token(self.hf_config, self.dtype) * self.block_size
@@ -146,7 +142,7 @@ class ModelRunner:
         tables = np.tile(np.arange(max_blocks, dtype=np.int32), (num_seqs, 1))
         ids = np.zeros(num_tokens, dtype=np.int64)
         positions = np.concatenate([np.arange(n) for n in q_lens]).astype(np.int64)
-        slots = np.full(num_tokens, self.pad_slot, dtype=np.int64)
+        slots = np.full(num_tokens, self.spare_slot, dtype=np.int64)
         return ids, positions, slots, tables, query_start, seq_lens, query_start[1:] - 1, 0
 
     @torch.inference_mode()
@@ -184,11 +180,6 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices,
                  num_decodes) -> torch.Tensor:
-        pad = self.min_tokens - len(ids)
-        if pad > 0:  # padding tokens: id 0 at position 0, written to the spare slot, in no sequence
-            ids = np.concatenate([ids, np.zeros(pad, np.int64)])
-            positions = np.concatenate([positions, np.zeros(pad, np.int64)])
-            slots = np.concatenate([slots, np.full(pad, self.pad_slot, np.int64)])
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
         meta = attention.AttentionMetadata(
             slot_mapping=to(slots), block_tables=to(tables), query_start=to(query_start), seq_lens=to(seq_lens),
