@@ -139,6 +139,7 @@ class LLMEngine:
             request, start = item.request, item.request.num_computed_tokens
             self.stats.num_prompt_tokens += max(0, min(start + item.num_tokens, request.num_prompt_tokens) - start)
             request.num_computed_tokens += item.num_tokens
+            self.block_manager.cache_computed_blocks(request)  # its KV is written now
             if request.num_computed_tokens == request.num_tokens:
                 sample_rows.append(i)
                 sample_requests.append(request)

@@ -102,7 +102,10 @@ class Request:
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     # Chained hashes of this request's full blocks, in order; extended as tokens arrive.
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Leading blocks of block_ids already offered to the prefix cache, so each step looks only
+    # at blocks completed since (per-step work does not grow with the context).
+    num_published_blocks: int = 0
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     end_ids: frozenset[int] = frozenset()

@@ -103,6 +103,8 @@ class Scheduler:
             if not self.block_manager.allocate(request, num_new, cached):
                 break
             self.waiting.popleft()
+            if request.num_preemptions == 0:  # each prompt counts once in the hit rate
+                self.block_manager.prefix_stats.record(request.num_prompt_tokens, num_cached)
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
