@@ -145,3 +145,27 @@ def test_hit_rate_is_over_a_window_of_recent_prompts():
     stats.record(10, 0)
     stats.record(10, 5)
     assert stats.hit_rate == 0.25
+
+
+def test_under_heavy_preemption_only_running_requests_are_scheduled():
+    # The scheduler filters nothing after the fact: preemption takes the newest first, so it
+    # never reaches back to a request already scheduled this step.
+    import random
+
+    rng = random.Random(0)
+    sched, bm = make(num_blocks=12, block_size=2, budget=16, max_seqs=8)
+    for i in range(12):
+        sched.add(req(f"r{i}", rng.randint(1, 7), start=100 * i))
+    num_preempted = 0
+    for _ in range(200):
+        out = sched.schedule()
+        num_preempted += len(out.preempted)
+        assert all(r.status == RequestStatus.RUNNING for r in sched.running)
+        assert all(s.request.status == RequestStatus.RUNNING for s in out.scheduled)
+        assert not {id(r) for r in out.preempted} & {id(s.request) for s in out.scheduled}
+        run_step(sched, out)
+        for r in list(sched.running):
+            if r.num_output_tokens >= r.params.max_tokens:
+                sched.finish(r, FinishReason.LENGTH)
+    assert num_preempted > 0 and not sched.has_work
+    assert bm.num_free_blocks == bm.num_blocks

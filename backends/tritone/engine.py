@@ -175,7 +175,11 @@ class LLMEngine:
             reason = self._stop_reason(request)
             if reason is not None:
                 if reason == FinishReason.STOP:
-                    new_ids, new_lps = self._strip_stop(request, new_ids, new_lps)
+                    # The end id is not part of the output (stop words are text-level, matched
+                    # by the llm model's ResponseStream).
+                    request.output_ids.pop()
+                    request.output_log_probs.pop()
+                    new_ids, new_lps = [], []
                 self.scheduler.finish(request, reason)
                 del self.requests[request.request_id]
             outputs.append(self._output(request, new_ids, new_lps))
@@ -183,28 +187,11 @@ class LLMEngine:
 
     def _stop_reason(self, request: Request) -> FinishReason | None:
         output = request.output_ids
-        if len(output) >= request.params.min_tokens:
-            if output[-1] in request.end_ids:
-                return FinishReason.STOP
-            for seq in request.params.stop_token_ids:
-                if output[-len(seq):] == seq:
-                    return FinishReason.STOP
+        if len(output) >= request.params.min_tokens and output[-1] in request.end_ids:
+            return FinishReason.STOP
         if len(output) >= request.params.max_tokens:
             return FinishReason.LENGTH
         return None
-
-    def _strip_stop(self, request: Request, new_ids, new_lps):
-        """The end id or stop sequence that ended the request is not part of its output."""
-        output = request.output_ids
-        if output[-1] in request.end_ids:
-            cut = 1
-        else:
-            cut = max(len(s) for s in request.params.stop_token_ids if output[-len(s):] == s)
-        # Earlier tokens of a multi-token stop sequence were already sent; they are withdrawn
-        # from the totals but cannot be unsent (text-level stop words live in postprocessing).
-        del output[-cut:]
-        del request.output_log_probs[-cut:]
-        return [], []
 
     def _output(self, request: Request, new_ids: list[int], new_lps: list[float]) -> RequestOutput:
         return RequestOutput(

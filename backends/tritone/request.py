@@ -43,7 +43,6 @@ class SamplingParams:
     # None: stop on the model's end-of-sequence ids; -1: never stop on one (benchmarks).
     end_id: int | None = None
     seed: int | None = None
-    stop_token_ids: list[list[int]] = field(default_factory=list)
     bad_token_ids: list[list[int]] = field(default_factory=list)
     return_log_probs: bool = False
 
@@ -80,10 +79,9 @@ class SamplingParams:
             raise ValueError(f"end_id must be -1 or in [0, {vocab_size}), got {self.end_id}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        for name in ("stop_token_ids", "bad_token_ids"):
-            for seq in getattr(self, name):
-                if not seq or any(not 0 <= t < vocab_size for t in seq):
-                    raise ValueError(f"{name} holds an empty or out-of-vocabulary sequence")
+        for seq in self.bad_token_ids:
+            if not seq or any(not 0 <= t < vocab_size for t in seq):
+                raise ValueError("bad_token_ids holds an empty or out-of-vocabulary sequence")
 
 
 @dataclass(slots=True, eq=False)
@@ -111,10 +109,6 @@ class Request:
     end_ids: frozenset[int] = frozenset()
     first_token_time: float | None = None
     last_token_time: float = 0.0
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
     @property
     def num_prompt_tokens(self) -> int:
