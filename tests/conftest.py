@@ -42,11 +42,11 @@ def hf_model(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
 
 
-def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, end_ids=(2,)) -> list[int]:
+def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, end_ids=(2,), **generate_kwargs) -> list[int]:
     """Hugging Face greedy tokens, without the end-of-sequence token (Tritone does not return it)."""
     with torch.inference_mode():
         out = hf_model.generate(torch.tensor([prompt_ids]), max_new_tokens=max_new_tokens, do_sample=False,
-                                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long))
+                                attention_mask=torch.ones(1, len(prompt_ids), dtype=torch.long), **generate_kwargs)
     ids = out[0, len(prompt_ids):].tolist()
     for i, t in enumerate(ids):
         if t in end_ids:

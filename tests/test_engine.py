@@ -1,5 +1,8 @@
 """The engine against Hugging Face `generate` on the real default model (CPU, fp32)."""
 
+import threading
+import time
+
 import pytest
 import torch
 from transformers import AutoConfig
@@ -153,3 +156,147 @@ def test_merged_outputs_keep_each_requests_tokens_in_order():
     assert (a.new_token_ids, a.new_log_probs, a.num_output_tokens) == ([1, 2, 3], [0.5] * 3, 3)
     assert a.finished and a.finish_reason == FinishReason.LENGTH
     assert (b.new_token_ids, b.num_output_tokens, b.finished) == ([7, 8, 9], 3, False)
+
+
+class Collector:
+    """An AsyncEngine's on_output: keeps every output, by request, and can fail chosen sends."""
+
+    def __init__(self, fail_first_of=()):
+        self.outputs: dict[str, list] = {}
+        self.fail_first_of = set(fail_first_of)
+        self.fatal = []
+
+    def __call__(self, output):
+        if output.request_id in self.fail_first_of:
+            self.fail_first_of.discard(output.request_id)
+            raise RuntimeError("injected send fault")
+        self.outputs.setdefault(output.request_id, []).append(output)
+
+    def finals(self, request_id):
+        return [o for o in self.outputs.get(request_id, []) if o.finished]
+
+    def tokens(self, request_id):
+        return [t for o in self.outputs.get(request_id, []) for t in o.new_token_ids]
+
+    def wait_final(self, *request_ids, timeout=120.0):
+        deadline = time.monotonic() + timeout
+        while not all(self.finals(r) for r in request_ids):
+            assert time.monotonic() < deadline, f"no final response for {request_ids}"
+            time.sleep(0.01)
+
+
+def start_async(engine, collector):
+    from tritone.engine import AsyncEngine
+
+    async_engine = AsyncEngine(engine, collector, on_fatal=collector.fatal.append)
+    async_engine.start()
+    return async_engine
+
+
+def wait_idle(engine, timeout=60.0):
+    deadline = time.monotonic() + timeout
+    while engine.has_unfinished_requests():
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_a_failed_step_fails_every_request_frees_every_block_and_leaves_no_hash(model_dir, prompt_ids, expected,
+                                                                                monkeypatch):
+    engine = make_engine(model_dir)
+    collector = Collector()
+
+    def broken_run(batch, sample_rows):
+        raise RuntimeError("injected step fault")
+
+    monkeypatch.setattr(engine.runner, "run", broken_run)
+    async_engine = start_async(engine, collector)
+    long_ids = [str(i) for i in range(12, 16)]
+    for rid in long_ids:
+        async_engine.submit(rid, prompt_ids[int(rid)], SamplingParams(max_tokens=MAX_TOKENS))
+    collector.wait_final(*long_ids)
+    for rid in long_ids:
+        (final,) = collector.finals(rid)
+        assert final.finish_reason == FinishReason.ERROR and "injected step fault" in final.error
+    bm = engine.block_manager
+    assert bm.num_free_blocks == bm.num_blocks and not bm.cached_blocks
+    # The same prompt again finds no block that the failed step was to compute.
+    monkeypatch.undo()
+    async_engine.submit("again", prompt_ids[15], SamplingParams(max_tokens=MAX_TOKENS))
+    collector.wait_final("again")
+    assert collector.tokens("again") == expected[15]
+    assert collector.finals("again")[0].finish_reason != FinishReason.ERROR
+    async_engine.stop()
+    assert async_engine.dead is None and not collector.fatal
+
+
+def test_a_send_that_raises_still_ends_the_request_with_one_final_error(model_dir, prompt_ids, expected):
+    # "mid" fails on its first (not final) output, "last" on its final one; "other" is unharmed.
+    engine = make_engine(model_dir)
+    collector = Collector(fail_first_of={"mid", "last"})
+    async_engine = start_async(engine, collector)
+    async_engine.submit("mid", prompt_ids[1], SamplingParams(max_tokens=50, end_id=-1))
+    async_engine.submit("last", prompt_ids[2], SamplingParams(max_tokens=1))
+    async_engine.submit("other", prompt_ids[3], SamplingParams(max_tokens=MAX_TOKENS))
+    collector.wait_final("mid", "last", "other")
+    wait_idle(engine)
+    async_engine.stop()
+    for rid in ("mid", "last"):
+        (final,) = collector.finals(rid)
+        assert final.finish_reason == FinishReason.ERROR and "injected send fault" in final.error
+        assert len(collector.outputs[rid]) == 1  # nothing after the final response
+    assert collector.tokens("other") == expected[3]
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+@pytest.mark.parametrize("fault", ["step raises SystemExit", "failing the requests raises too"])
+def test_a_dead_engine_thread_fails_its_requests_refuses_new_ones_and_is_reported(model_dir, prompt_ids, monkeypatch,
+                                                                                  fault):
+    engine = make_engine(model_dir)
+    collector = Collector()
+    started = threading.Event()
+
+    def broken_run(batch, sample_rows):
+        started.wait()
+        raise SystemExit(3) if fault.startswith("step") else RuntimeError("injected step fault")
+
+    def broken_abort(*args, **kwargs):
+        raise RuntimeError("injected abort fault")
+
+    monkeypatch.setattr(engine.runner, "run", broken_run)
+    if not fault.startswith("step"):
+        monkeypatch.setattr(engine, "abort_request", broken_abort)
+    async_engine = start_async(engine, collector)
+    for rid in ("a", "b"):
+        async_engine.submit(rid, prompt_ids[int(rid == "b")], SamplingParams(max_tokens=MAX_TOKENS))
+    time.sleep(0.2)
+    started.set()
+    collector.wait_final("a", "b")
+    assert all(collector.finals(r)[0].finish_reason == FinishReason.ERROR for r in ("a", "b"))
+    deadline = time.monotonic() + 10
+    while not collector.fatal:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    assert "engine thread died" in collector.fatal[0] and not async_engine.is_alive
+    with pytest.raises(RuntimeError, match="not running"):
+        async_engine.submit("late", prompt_ids[0], SamplingParams(max_tokens=MAX_TOKENS))
+    assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_an_add_that_raises_fails_that_request_alone(model_dir, prompt_ids, expected, monkeypatch):
+    engine = make_engine(model_dir)
+    collector = Collector()
+    real_add = engine.add_request
+
+    def add(request_id, ids, params):
+        if request_id == "bad":
+            raise TypeError("injected add fault")
+        return real_add(request_id, ids, params)
+
+    monkeypatch.setattr(engine, "add_request", add)
+    async_engine = start_async(engine, collector)
+    async_engine.submit("bad", prompt_ids[0], SamplingParams(max_tokens=MAX_TOKENS))
+    async_engine.submit("good", prompt_ids[4], SamplingParams(max_tokens=MAX_TOKENS))
+    collector.wait_final("bad", "good")
+    async_engine.stop()
+    assert "injected add fault" in collector.finals("bad")[0].error
+    assert collector.tokens("good") == expected[4] and async_engine.dead is None

@@ -85,6 +85,17 @@ def test_greedy_equals_hugging_face(grpc, tokenizer, hf_model):
         assert got.num_input_tokens == len(ids)
 
 
+def test_greedy_with_repetition_penalty_equals_hugging_face(grpc, tokenizer, hf_model):
+    # The penalty covers the prompt's tokens too, as in Hugging Face and vLLM: "1, 2, 3," repeats
+    # its prompt, so a penalty of output tokens alone answers differently.
+    for prompt in ("1, 2, 3, 4, 5,", "def fibonacci(n):\n    "):
+        ids = tokenizer(prompt).input_ids
+        hf_ids = hf_greedy(hf_model, ids, 24, repetition_penalty=1.3)
+        got = grpc.complete(prompt, max_tokens=24, apply_chat_template=False, repetition_penalty=1.3)
+        assert got.text == tokenizer.decode(hf_ids, skip_special_tokens=True)
+        assert got.num_output_tokens == len(hf_ids)
+
+
 def test_chat_template_is_applied_like_hugging_face(grpc, tokenizer, hf_model):
     ids = tokenizer.apply_chat_template([{"role": "user", "content": QUESTION}], add_generation_prompt=True,
                                         tokenize=True, return_dict=True)["input_ids"]

@@ -18,6 +18,7 @@ def run_step(sched, out, new_token=7):
     """What the engine does after the model ran: catch up, append a token where a row completed."""
     for item in out.scheduled:
         item.request.num_computed_tokens += item.num_tokens
+        sched.block_manager.cache_computed_blocks(item.request)
         if item.request.num_computed_tokens == item.request.num_tokens:
             item.request.output_ids.append(new_token)
 
@@ -102,3 +103,69 @@ def test_max_num_seqs_caps_the_running_batch():
         sched.add(req(f"r{i}", 2, start=10 * i))
     out = sched.schedule()
     assert len(out.scheduled) == 2 and len(sched.waiting) == 2
+
+
+def test_prefix_hit_rate_counts_each_prompt_once():
+    # b waits several steps for blocks, then is preempted once: still one prompt in the rate.
+    from tritone.scheduler import SchedulerOutput
+
+    def compute_only(out):  # no new tokens: the holder keeps its blocks without growing
+        for item in out.scheduled:
+            item.request.num_computed_tokens += item.num_tokens
+            bm.cache_computed_blocks(item.request)
+
+    sched, bm = make(num_blocks=6, block_size=4, budget=64)
+    a = req("a", 12)
+    sched.add(a)
+    compute_only(sched.schedule())
+    sched.finish(a, FinishReason.LENGTH)
+    holder = req("holder", 16, start=500)
+    sched.add(holder)
+    compute_only(sched.schedule())
+    b = req("b", 12)
+    sched.add(b)
+    for _ in range(3):
+        compute_only(sched.schedule())
+    assert b.status == RequestStatus.WAITING
+    sched.finish(holder, FinishReason.LENGTH)
+    compute_only(sched.schedule())
+    assert b.status == RequestStatus.RUNNING and b.num_cached_tokens == 8
+    sched._preempt(b, SchedulerOutput())
+    compute_only(sched.schedule())
+    assert b.status == RequestStatus.RUNNING and b.num_preemptions == 1
+    stats = bm.prefix_stats
+    assert (stats.num_queried, stats.num_hit) == (12 + 16 + 12, 8)
+
+
+def test_hit_rate_is_over_a_window_of_recent_prompts():
+    from tritone.block_manager import PrefixCacheStats
+
+    stats = PrefixCacheStats(window=2)
+    stats.record(10, 10)
+    stats.record(10, 0)
+    stats.record(10, 5)
+    assert stats.hit_rate == 0.25
+
+
+def test_under_heavy_preemption_only_running_requests_are_scheduled():
+    # The scheduler filters nothing after the fact: preemption takes the newest first, so it
+    # never reaches back to a request already scheduled this step.
+    import random
+
+    rng = random.Random(0)
+    sched, bm = make(num_blocks=12, block_size=2, budget=16, max_seqs=8)
+    for i in range(12):
+        sched.add(req(f"r{i}", rng.randint(1, 7), start=100 * i))
+    num_preempted = 0
+    for _ in range(200):
+        out = sched.schedule()
+        num_preempted += len(out.preempted)
+        assert all(r.status == RequestStatus.RUNNING for r in sched.running)
+        assert all(s.request.status == RequestStatus.RUNNING for s in out.scheduled)
+        assert not {id(r) for r in out.preempted} & {id(s.request) for s in out.scheduled}
+        run_step(sched, out)
+        for r in list(sched.running):
+            if r.num_output_tokens >= r.params.max_tokens:
+                sched.finish(r, FinishReason.LENGTH)
+    assert num_preempted > 0 and not sched.has_work
+    assert bm.num_free_blocks == bm.num_blocks

@@ -1,14 +1,24 @@
 """Paged KV cache bookkeeping: fixed-size blocks, reference counts, prefix caching.
 
-A full block is identified by a hash chained over every token before it, so equal hashes mean
-equal prefixes. A block whose reference count drops to zero keeps its hash and stays findable
-until it is reused; free blocks are reused least recently freed first (LRU eviction).
+A full block is identified by a hash chained over every token before it. A block is published
+(findable by its hash) only once its KV has been written, that is after the forward pass that
+computed it succeeded. A block whose reference count drops to zero keeps its hash and stays
+findable until it is reused; free blocks are reused least recently freed first (LRU eviction).
+
+The prefix cache is shared by every request, so one request must not be able to plant KV for
+another's prompt (vLLM's CVE-2025-25183): the hash is SHA-256 over the parent's hash and the
+block's token ids, chained from a random salt drawn per process, and a hit also compares the
+block's stored token ids, so a hash collision can cost a miss but never a wrong answer.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+import hashlib
+import os
+from array import array
+from collections import OrderedDict, deque
 from dataclasses import dataclass
+from typing import Sequence
 
 from tritone.request import Request
 
@@ -17,11 +27,38 @@ from tritone.request import Request
 class Block:
     block_id: int
     ref_count: int = 0
-    block_hash: int | None = None
+    block_hash: bytes | None = None
+    # The block's tokens while it is published, checked on every hit.
+    token_ids: tuple[int, ...] | None = None
 
 
-def chain_hash(parent_hash: int | None, token_ids: tuple[int, ...]) -> int:
-    return hash((parent_hash, token_ids))
+def chain_hash(parent_hash: bytes, token_ids: Sequence[int]) -> bytes:
+    return hashlib.sha256(parent_hash + array("q", token_ids).tobytes()).digest()
+
+
+class PrefixCacheStats:
+    """Prompt tokens looked up in the prefix cache and found there, each prompt counted once (at
+    its first admission, not at every attempt or after a preemption), over the last `window`
+    prompts. Written by the engine thread, read by the metrics reporter."""
+
+    def __init__(self, window: int = 1000):
+        self.recent: deque[tuple[int, int]] = deque()
+        self.window = window
+        self.num_queried = self.num_hit = 0
+
+    def record(self, num_queried: int, num_hit: int) -> None:
+        self.recent.append((num_queried, num_hit))
+        self.num_queried += num_queried
+        self.num_hit += num_hit
+        if len(self.recent) > self.window:
+            old_queried, old_hit = self.recent.popleft()
+            self.num_queried -= old_queried
+            self.num_hit -= old_hit
+
+    @property
+    def hit_rate(self) -> float:
+        num_queried, num_hit = self.num_queried, self.num_hit
+        return num_hit / num_queried if num_queried else 0.0
 
 
 class BlockManager:
@@ -33,9 +70,9 @@ class BlockManager:
         self.blocks = [Block(i) for i in range(num_blocks)]
         # Insertion order is eviction order: the front was freed longest ago.
         self.free_block_ids: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self.cached_blocks: dict[int, int] = {}
-        self.num_prefix_queries = 0
-        self.num_prefix_hits = 0
+        self.cached_blocks: dict[bytes, int] = {}
+        self.root_hash = os.urandom(32)
+        self.prefix_stats = PrefixCacheStats()
 
     @property
     def num_blocks(self) -> int:
@@ -57,15 +94,14 @@ class BlockManager:
         since the last token must be computed to get logits)."""
         if not self.enable_prefix_caching:
             return []
-        self._extend_hashes(request, request.num_tokens - 1)
+        num_full = (request.num_tokens - 1) // self.block_size
+        self._extend_hashes(request, num_full)
         hits = []
-        for block_hash in request.block_hashes[: (request.num_tokens - 1) // self.block_size]:
-            block_id = self.cached_blocks.get(block_hash)
-            if block_id is None:
+        for i in range(num_full):
+            block_id = self.cached_blocks.get(request.block_hashes[i])
+            if block_id is None or self.blocks[block_id].token_ids != self._block_tokens(request, i):
                 break
             hits.append(block_id)
-        self.num_prefix_queries += request.num_tokens
-        self.num_prefix_hits += len(hits) * self.block_size
         return hits
 
     def allocate(self, request: Request, num_new_tokens: int, cached_block_ids: list[int] = ()) -> bool:
@@ -82,8 +118,29 @@ class BlockManager:
             request.block_ids.append(block_id)
         for _ in range(max(num_needed, 0)):
             request.block_ids.append(self._take_free())
-        self._register_full_blocks(request, num_computed + num_new_tokens)
+        if cached_block_ids:
+            request.num_published_blocks = len(cached_block_ids)
         return True
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publishes the request's blocks that its computed tokens fill. Call it only after the
+        forward pass that wrote their KV, so a failed step leaves no hash of unwritten KV behind.
+        Looks only at blocks filled since the last call."""
+        if not self.enable_prefix_caching:
+            return
+        num_full = min(request.num_computed_tokens // self.block_size, len(request.block_ids))
+        if num_full <= request.num_published_blocks:
+            return
+        self._extend_hashes(request, num_full)
+        for i in range(request.num_published_blocks, num_full):
+            block = self.blocks[request.block_ids[i]]
+            block_hash = request.block_hashes[i]
+            # A block taken from the cache is published already; an equal block computed twice
+            # (two requests with one prefix in one step) is published once.
+            if block.block_hash is None and block_hash not in self.cached_blocks:
+                self.cached_blocks[block_hash] = block.block_id
+                block.block_hash, block.token_ids = block_hash, self._block_tokens(request, i)
+        request.num_published_blocks = num_full
 
     def free(self, request: Request) -> None:
         """Releases the request's blocks; the tail goes to the eviction front, since a shared
@@ -95,6 +152,7 @@ class BlockManager:
             if block.ref_count == 0:
                 self.free_block_ids[block_id] = None
         request.block_ids = []
+        request.num_published_blocks = 0
 
     def _take(self, block_id: int) -> None:
         block = self.blocks[block_id]
@@ -108,27 +166,15 @@ class BlockManager:
         if block.block_hash is not None:
             if self.cached_blocks.get(block.block_hash) == block_id:
                 del self.cached_blocks[block.block_hash]
-            block.block_hash = None
+            block.block_hash = block.token_ids = None
         block.ref_count = 1
         return block_id
 
-    def _extend_hashes(self, request: Request, num_tokens: int) -> None:
-        hashes = request.block_hashes
-        bs = self.block_size
-        for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else None
-            hashes.append(chain_hash(parent, tuple(request.tokens_slice(i * bs, (i + 1) * bs))))
+    def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
+        return tuple(request.tokens_slice(index * self.block_size, (index + 1) * self.block_size))
 
-    def _register_full_blocks(self, request: Request, num_tokens: int) -> None:
-        # Tokens scheduled in this step are known now and computed before the next schedule,
-        # so their full blocks can be published at once.
-        if not self.enable_prefix_caching:
-            return
-        self._extend_hashes(request, num_tokens)
-        for i in range(min(len(request.block_hashes), len(request.block_ids))):
-            block = self.blocks[request.block_ids[i]]
-            if block.block_hash is None:
-                block_hash = request.block_hashes[i]
-                if block_hash not in self.cached_blocks:
-                    self.cached_blocks[block_hash] = block.block_id
-                    block.block_hash = block_hash
+    def _extend_hashes(self, request: Request, num_blocks: int) -> None:
+        hashes = request.block_hashes
+        for i in range(len(hashes), num_blocks):
+            parent = hashes[-1] if hashes else self.root_hash
+            hashes.append(chain_hash(parent, self._block_tokens(request, i)))

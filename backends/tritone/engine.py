@@ -116,12 +116,17 @@ class LLMEngine:
         self.scheduler.add(request)
         return request
 
-    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> RequestOutput | None:
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
+                      error: str | None = None) -> RequestOutput | None:
+        """Ends a request that is still in the engine, freeing its blocks, and returns its final
+        output (None for one that has finished already)."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
         self.scheduler.finish(request, reason)
-        return self._output(request, [], [])
+        output = self._output(request, [], [])
+        output.error = error
+        return output
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
@@ -142,6 +147,7 @@ class LLMEngine:
             request, start = item.request, item.request.num_computed_tokens
             self.stats.num_prompt_tokens += max(0, min(start + item.num_tokens, request.num_prompt_tokens) - start)
             request.num_computed_tokens += item.num_tokens
+            self.block_manager.cache_computed_blocks(request)  # its KV is written now
         sample_requests = [batch.scheduled[i].request for i in sample_rows]
         outputs = []
         if sample_requests:
@@ -170,7 +176,11 @@ class LLMEngine:
             reason = self._stop_reason(request)
             if reason is not None:
                 if reason == FinishReason.STOP:
-                    new_ids, new_lps = self._strip_stop(request, new_ids, new_lps)
+                    # The end id is not part of the output (stop words are text-level, matched
+                    # by the llm model's ResponseStream).
+                    request.output_ids.pop()
+                    request.output_log_probs.pop()
+                    new_ids, new_lps = [], []
                 self.scheduler.finish(request, reason)
                 del self.requests[request.request_id]
             outputs.append(self._output(request, new_ids, new_lps))
@@ -178,28 +188,11 @@ class LLMEngine:
 
     def _stop_reason(self, request: Request) -> FinishReason | None:
         output = request.output_ids
-        if len(output) >= request.params.min_tokens:
-            if output[-1] in request.end_ids:
-                return FinishReason.STOP
-            for seq in request.params.stop_token_ids:
-                if output[-len(seq):] == seq:
-                    return FinishReason.STOP
+        if len(output) >= request.params.min_tokens and output[-1] in request.end_ids:
+            return FinishReason.STOP
         if len(output) >= request.params.max_tokens:
             return FinishReason.LENGTH
         return None
-
-    def _strip_stop(self, request: Request, new_ids, new_lps):
-        """The end id or stop sequence that ended the request is not part of its output."""
-        output = request.output_ids
-        if output[-1] in request.end_ids:
-            cut = 1
-        else:
-            cut = max(len(s) for s in request.params.stop_token_ids if output[-len(s):] == s)
-        # Earlier tokens of a multi-token stop sequence were already sent; they are withdrawn
-        # from the totals but cannot be unsent (text-level stop words live in postprocessing).
-        del output[-cut:]
-        del request.output_log_probs[-cut:]
-        return [], []
 
     def _output(self, request: Request, new_ids: list[int], new_lps: list[float]) -> RequestOutput:
         return RequestOutput(
@@ -224,18 +217,40 @@ class _Submit:
 class _Abort:
     request_id: str
     reason: FinishReason = FinishReason.CANCELLED
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class _Flushed:
+    """Put in the outbox behind a dying engine's last outputs: set once they have been sent."""
+
+    event: threading.Event = field(default_factory=threading.Event)
 
 
 @dataclass
 class AsyncEngine:
     """Runs an LLMEngine in its own thread: callers submit and abort from any thread, and
-    outputs go to `on_output` from a separate sender thread, so sending never holds up a step."""
+    outputs go to `on_output` from a separate sender thread, so sending never holds up a step.
+
+    Every request gets exactly one final output. A failed step, add or abort fails the requests
+    the engine holds and the engine goes on. If a thread dies all the same (the failure path
+    itself failed), the engine is dead: `submit` refuses, every request it held is failed, and
+    `on_fatal(message)` is called, which the llm model answers by ending its process, so that
+    the launcher restarts the server as it does for any dead model process."""
 
     engine: LLMEngine
     on_output: Callable[[RequestOutput], None]
+    on_fatal: Callable[[str], None] = lambda message: None
     _inbox: "queue.Queue" = field(default_factory=queue.Queue)
     _outbox: "queue.Queue" = field(default_factory=queue.Queue)
     _stopping: threading.Event = field(default_factory=threading.Event)
+    # Held while submitting and while the engine is declared dead, so that no request slips
+    # into the inbox of a dead engine unanswered.
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    # Why the engine is dead; None while it is alive.
+    dead: str | None = None
+    # Requests whose final error the sender sent after a failed send (sender thread only).
+    _failed: set[str] = field(default_factory=set)
     # Submitted (caller's thread) and added (engine thread), each counted by its own thread only:
     # requests still in the inbox count against the queue limit, or a burst would slip past it.
     _num_submitted: int = 0
@@ -251,19 +266,27 @@ class AsyncEngine:
     def num_steps(self) -> int:
         return self.engine.stats.num_steps
 
-    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Validates at once (raising ValueError naming the field) and enqueues."""
-        self.engine.validate(prompt_ids, params, num_queued=self._num_submitted - self._num_added)
-        self._num_submitted += 1
-        self._inbox.put(_Submit(request_id, prompt_ids, params))
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and self._engine_thread.is_alive() and self._sender_thread.is_alive()
 
-    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED) -> None:
-        self._inbox.put(_Abort(request_id, reason))
+    def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
+        """Validates at once (raising ValueError naming the field) and enqueues; raises
+        RuntimeError when the engine is dead."""
+        self.engine.validate(prompt_ids, params, num_queued=self._num_submitted - self._num_added)
+        with self._lock:
+            if self.dead is not None:
+                raise RuntimeError(f"the engine is not running ({self.dead}); the server restarts, retry later")
+            self._num_submitted += 1
+            self._inbox.put(_Submit(request_id, prompt_ids, params))
+
+    def abort(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED, error: str | None = None) -> None:
+        self._inbox.put(_Abort(request_id, reason, error))
 
     def stop(self, timeout: float = 30.0) -> None:
         """Lets in-flight requests finish for up to `timeout` seconds, then cancels the rest."""
         deadline = time.monotonic() + timeout
-        while self.engine.has_unfinished_requests() and time.monotonic() < deadline:
+        while self.engine.has_unfinished_requests() and self.dead is None and time.monotonic() < deadline:
             time.sleep(0.05)
         self._stopping.set()
         self._inbox.put(None)
@@ -272,19 +295,27 @@ class AsyncEngine:
         self._sender_thread.join()
 
     def _engine_loop(self) -> None:
-        while True:
-            block = not self.engine.has_unfinished_requests()
-            if not self._drain_inbox(block):
-                break
-            try:
-                outputs = self.engine.step()
-            except Exception as exc:  # a failed step fails its requests, not the server
-                logger.exception("engine step failed")
-                outputs = self._fail_all(f"engine error: {exc}")
-            if outputs:
-                self._outbox.put(outputs)
-        for request_id in list(self.engine.requests):
-            self._outbox.put([self.engine.abort_request(request_id)])
+        try:
+            while self._engine_iteration():
+                pass
+            outputs = [self.engine.abort_request(request_id) for request_id in list(self.engine.requests)]
+            self._outbox.put(outputs + self._refuse_inbox("the engine stopped before it took the request in"))
+        except BaseException as exc:
+            logger.exception("the engine thread died")
+            self._die(f"engine thread died: {exc!r}", send=True)
+
+    def _engine_iteration(self) -> bool:
+        """One drain of the inbox and one step; False once asked to stop."""
+        try:
+            if not self._drain_inbox(block=not self.engine.has_unfinished_requests()):
+                return False
+            outputs = self.engine.step()
+        except Exception as exc:  # a failed step fails its requests, not the server
+            logger.exception("engine step failed")
+            outputs = self._fail_all(f"engine error: {exc}")
+        if outputs:
+            self._outbox.put(outputs)
+        return True
 
     def _drain_inbox(self, block: bool) -> bool:
         try:
@@ -299,32 +330,75 @@ class AsyncEngine:
 
     def _apply(self, item) -> None:
         if isinstance(item, _Abort):
-            output = self.engine.abort_request(item.request_id, item.reason)
+            output = self.engine.abort_request(item.request_id, item.reason, item.error)
             if output is not None:
                 self._outbox.put([output])
             return
         self._num_added += 1
         try:
             self.engine.add_request(item.request_id, item.prompt_ids, item.params)
-        except (ValueError, RuntimeError) as exc:
-            self._outbox.put([RequestOutput(item.request_id, [], [], len(item.prompt_ids), 0, True,
-                                            FinishReason.ERROR, error=str(exc))])
+        except (ValueError, RuntimeError) as exc:  # refused: nothing of it entered the engine
+            self._outbox.put([_error_output(item, str(exc))])
+        except Exception as exc:
+            logger.exception("adding request %s failed", item.request_id)
+            output = self.engine.abort_request(item.request_id, FinishReason.ERROR, f"engine error: {exc}")
+            self._outbox.put([output or _error_output(item, f"engine error: {exc}")])
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
+        return [self.engine.abort_request(request_id, FinishReason.ERROR, message)
+                for request_id in list(self.engine.requests)]
+
+    def _die(self, message: str, send: bool) -> None:
+        """Fails every request the engine holds or has not yet taken in, without trusting the
+        engine's state; `send`: the sender still works, so wait (a little) for them to go out."""
+        with self._lock:
+            self.dead = message
         outputs = []
-        for request_id in list(self.engine.requests):
-            output = self.engine.abort_request(request_id, FinishReason.ERROR)
-            output.error = message
-            outputs.append(output)
-        return outputs
+        for request in list(self.engine.requests.values()):
+            try:
+                self.engine.scheduler.finish(request, FinishReason.ERROR)
+            except Exception:
+                logger.exception("freeing the blocks of request %s failed", request.request_id)
+            outputs.append(RequestOutput(request.request_id, [], [], request.num_prompt_tokens,
+                                         request.num_output_tokens, True, FinishReason.ERROR, error=message))
+        self.engine.requests.clear()
+        outputs += self._refuse_inbox(message)
+        if send:
+            flushed = _Flushed()
+            self._outbox.put(outputs)
+            self._outbox.put(flushed)
+            flushed.event.wait(timeout=10.0)
+        self.on_fatal(message)
+
+    def _refuse_inbox(self, message: str) -> list[RequestOutput]:
+        outputs = []
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return outputs
+            if isinstance(item, _Submit):
+                outputs.append(_error_output(item, message))
 
     def _sender_loop(self) -> None:
+        try:
+            self._send_until_stopped()
+        except BaseException as exc:
+            logger.exception("the sender thread died")
+            # Nothing can be sent any more: the requests end when the model's process does.
+            self._die(f"sender thread died: {exc!r}", send=False)
+
+    def _send_until_stopped(self) -> None:
         stopping = False
         while not stopping:
             outputs = self._outbox.get()
             if outputs is None:
                 return
+            if isinstance(outputs, _Flushed):
+                outputs.event.set()
+                continue
             outputs = list(outputs)
+            flushed = []
             # Steps that finished while the last responses went out are sent together: one
             # response per request however many steps it spans, so when sending falls behind
             # the engine, it catches up instead of falling further behind.
@@ -336,12 +410,41 @@ class AsyncEngine:
                 if more is None:
                     stopping = True
                     break
+                if isinstance(more, _Flushed):
+                    flushed.append(more)
+                    continue
                 outputs.extend(more)
             for output in merge_outputs(outputs):
-                try:
-                    self.on_output(output)
-                except Exception:
-                    logger.exception("sending output of request %s failed", output.request_id)
+                self._send(output)
+            for item in flushed:
+                item.event.set()
+
+    def _send(self, output: RequestOutput) -> None:
+        """Sends one output. When that fails, the request's final output is an error sent at
+        once, and the engine ends the request (freeing its blocks) after: what it still sends
+        for the request, up to and including its own final output, is dropped here."""
+        if output.request_id in self._failed:
+            if output.finished:
+                self._failed.discard(output.request_id)
+            return
+        try:
+            self.on_output(output)
+            return
+        except Exception as exc:
+            logger.exception("sending output of request %s failed", output.request_id)
+            message = f"sending a response failed: {exc}"
+        if not output.finished:
+            self._failed.add(output.request_id)
+            self.abort(output.request_id, FinishReason.ERROR, message)
+        try:
+            self.on_output(dataclasses.replace(output, new_token_ids=[], new_log_probs=[], finished=True,
+                                               finish_reason=FinishReason.ERROR, error=message))
+        except Exception:
+            logger.exception("request %s could not be sent its final error either", output.request_id)
+
+
+def _error_output(item: _Submit, message: str) -> RequestOutput:
+    return RequestOutput(item.request_id, [], [], len(item.prompt_ids), 0, True, FinishReason.ERROR, error=message)
 
 
 def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:

@@ -28,7 +28,8 @@ class EngineMetrics:
         self.waiting = metric("tritone_num_requests_waiting", "Requests waiting for admission", g)
         self.blocks_used = metric("tritone_kv_blocks_used", "KV cache blocks in use", g)
         self.blocks_free = metric("tritone_kv_blocks_free", "KV cache blocks free (cached or empty)", g)
-        self.prefix_hit_rate = metric("tritone_prefix_cache_hit_rate", "Prompt tokens found in the prefix cache, fraction", g)
+        self.prefix_hit_rate = metric("tritone_prefix_cache_hit_rate",
+                                      "Prompt tokens found in the prefix cache, fraction, over the last 1000 prompts", g)
         self.forward_busy = metric("tritone_forward_busy_fraction",
                                    "Fraction of engine wall time in the model forward pass, since the last report", g)
         self.prompt_tokens = metric("tritone_prompt_tokens_total", "Prompt tokens computed", c)
@@ -48,7 +49,7 @@ class EngineMetrics:
         self.waiting.set(len(engine.scheduler.waiting))
         self.blocks_used.set(bm.num_used_blocks)
         self.blocks_free.set(bm.num_free_blocks)
-        self.prefix_hit_rate.set(bm.num_prefix_hits / bm.num_prefix_queries if bm.num_prefix_queries else 0.0)
+        self.prefix_hit_rate.set(bm.prefix_stats.hit_rate)
         totals = (stats.num_prompt_tokens, stats.num_generation_tokens, engine.scheduler.num_preemptions,
                   stats.forward_seconds)
         deltas = [now_ - last for now_, last in zip(totals, self._last)]

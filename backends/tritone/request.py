@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -15,6 +16,12 @@ class FinishReason(str, enum.Enum):
     ERROR = "error"
 
 
+# As in vLLM: a lower temperature is greedy, since dividing logits by it overflows to inf and NaN.
+MIN_TEMPERATURE = 1e-5
+# OpenAI's and vLLM's range for presence and frequency penalties.
+MAX_ABS_ADDITIVE_PENALTY = 2.0
+
+
 class RequestStatus(enum.Enum):
     WAITING = enum.auto()
     RUNNING = enum.auto()
@@ -24,7 +31,7 @@ class RequestStatus(enum.Enum):
 @dataclass(slots=True)
 class SamplingParams:
     max_tokens: int = 16
-    # 0 means greedy; so does top_k == 1.
+    # Below MIN_TEMPERATURE (0 included) means greedy; so does top_k == 1.
     temperature: float = 0.0
     top_k: int = 0
     top_p: float = 1.0
@@ -36,16 +43,20 @@ class SamplingParams:
     # None: stop on the model's end-of-sequence ids; -1: never stop on one (benchmarks).
     end_id: int | None = None
     seed: int | None = None
-    stop_token_ids: list[list[int]] = field(default_factory=list)
     bad_token_ids: list[list[int]] = field(default_factory=list)
     return_log_probs: bool = False
 
     @property
     def is_greedy(self) -> bool:
-        return self.temperature == 0.0 or self.top_k == 1
+        return self.temperature < MIN_TEMPERATURE or self.top_k == 1
 
     def validate(self, vocab_size: int) -> None:
         """Raises ValueError naming the offending field."""
+        # NaN passes every comparison below, and inf makes NaN logits: refuse both first.
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                     "frequency_penalty"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
         if self.max_tokens <= 0:
             raise ValueError(f"max_tokens must be positive, got {self.max_tokens}")
         if self.temperature < 0:
@@ -58,16 +69,19 @@ class SamplingParams:
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            if abs(getattr(self, name)) > MAX_ABS_ADDITIVE_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_ABS_ADDITIVE_PENALTY}, {MAX_ABS_ADDITIVE_PENALTY}], "
+                                 f"got {getattr(self, name)}")
         if self.min_tokens < 0:
             raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
         if self.end_id is not None and self.end_id != -1 and not 0 <= self.end_id < vocab_size:
             raise ValueError(f"end_id must be -1 or in [0, {vocab_size}), got {self.end_id}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        for name in ("stop_token_ids", "bad_token_ids"):
-            for seq in getattr(self, name):
-                if not seq or any(not 0 <= t < vocab_size for t in seq):
-                    raise ValueError(f"{name} holds an empty or out-of-vocabulary sequence")
+        for seq in self.bad_token_ids:
+            if not seq or any(not 0 <= t < vocab_size for t in seq):
+                raise ValueError("bad_token_ids holds an empty or out-of-vocabulary sequence")
 
 
 @dataclass(slots=True, eq=False)
@@ -86,16 +100,15 @@ class Request:
     num_cached_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
     # Chained hashes of this request's full blocks, in order; extended as tokens arrive.
-    block_hashes: list[int] = field(default_factory=list)
+    block_hashes: list[bytes] = field(default_factory=list)
+    # Leading blocks of block_ids already offered to the prefix cache, so each step looks only
+    # at blocks completed since (per-step work does not grow with the context).
+    num_published_blocks: int = 0
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     end_ids: frozenset[int] = frozenset()
     first_token_time: float | None = None
     last_token_time: float = 0.0
-
-    @property
-    def all_token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
 
     @property
     def num_prompt_tokens(self) -> int:

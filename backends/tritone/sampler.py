@@ -1,7 +1,10 @@
 """Vectorized sampling with per-request parameters and per-request random streams.
 
 Each sampled request draws its noise from its own generator, one row per step, so a seeded
-request yields the same tokens whatever else shares the batch.
+request yields the same tokens whatever else shares the batch. The transforms follow Hugging
+Face's logits processors, in the order `generate` applies them: repetition penalty (over prompt
+and output tokens), presence and frequency penalties (output tokens, as in vLLM), bad words and
+min_tokens bans; then, for sampled rows, temperature, top-k, top-p over what top-k kept, min-p.
 """
 
 from __future__ import annotations
@@ -16,22 +19,24 @@ _NEG_INF = float("-inf")
 def banned_token_ids(request: Request) -> list[int]:
     """Tokens that would complete a bad-word sequence, or end the output before min_tokens."""
     banned = []
-    output = request.output_ids
+    num_tokens = request.num_tokens
     for seq in request.params.bad_token_ids:
-        prefix = seq[:-1]
-        if not prefix or output[-len(prefix):] == prefix:
+        # As in Hugging Face: a bad word may begin in the prompt and end in the output.
+        n = len(seq) - 1
+        if n == 0 or (n <= num_tokens and request.tokens_slice(num_tokens - n, num_tokens) == list(seq[:-1])):
             banned.append(seq[-1])
-    if len(output) < request.params.min_tokens:
+    if len(request.output_ids) < request.params.min_tokens:
         banned.extend(request.end_ids)
     return banned
 
 
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
-        """Returns one token id per row of `logits` [B, V] and its log-probability."""
+        """Returns one token id per row of `logits` [B, V] and its log-probability (under the
+        distribution after penalties and bans, before temperature, top-k, top-p and min-p)."""
         logits = logits.float()
-        self._apply_penalties(logits, requests)
-        self._apply_bans(logits, requests)
+        apply_penalties(logits, requests)
+        apply_bans(logits, requests)
         greedy = torch.tensor([r.params.is_greedy for r in requests])
         token_ids = logits.argmax(dim=-1)
         if not bool(greedy.all()):
@@ -44,47 +49,57 @@ class Sampler:
             log_probs = [0.0] * len(requests)
         return token_ids.tolist(), log_probs
 
-    def _apply_penalties(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
-        if not rows:
-            return
-        vocab = logits.shape[1]
-        counts = torch.zeros(len(rows), vocab, device=logits.device)
-        for j, i in enumerate(rows):
-            ids = requests[i].output_ids
-            if ids:
-                counts[j].index_add_(0, torch.tensor(ids, device=logits.device), torch.ones(len(ids), device=logits.device))
-        sub = logits[rows]
-        rep = torch.tensor([requests[i].params.repetition_penalty for i in rows], device=logits.device)[:, None]
-        seen = counts > 0
-        # As in Hugging Face and vLLM: divide positive logits, multiply negative ones.
-        penalized = torch.where(sub > 0, sub / rep, sub * rep)
-        sub = torch.where(seen, penalized, sub)
-        freq = torch.tensor([requests[i].params.frequency_penalty for i in rows], device=logits.device)[:, None]
-        pres = torch.tensor([requests[i].params.presence_penalty for i in rows], device=logits.device)[:, None]
-        sub = sub - freq * counts - pres * seen.float()
-        logits[rows] = sub
-
-    def _apply_bans(self, logits: torch.Tensor, requests: list[Request]) -> None:
-        for i, request in enumerate(requests):
-            banned = banned_token_ids(request)
-            if banned:
-                logits[i, banned] = _NEG_INF
-
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        device = logits.device
-        temperature = torch.tensor([r.params.temperature for r in requests], device=device)[:, None]
-        logits = logits / temperature
-        top_k = torch.tensor([r.params.top_k or logits.shape[1] for r in requests], device=device)
-        top_p = torch.tensor([r.params.top_p for r in requests], device=device)
-        min_p = torch.tensor([r.params.min_p for r in requests], device=device)
-        logits = _mask_top_k_top_p_min_p(logits, top_k, top_p, min_p)
-        probs = torch.softmax(logits, dim=-1)
+        probs = torch.softmax(warp(logits, requests), dim=-1)
         # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
         noise = torch.empty_like(probs)
         for i, request in enumerate(requests):
             noise[i].exponential_(generator=request.generator)
         return (probs / noise).argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+    """In place: repetition penalty on every token seen in the prompt or the output (as Hugging
+    Face and vLLM), then frequency and presence penalties on output tokens (as vLLM)."""
+    rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
+    if not rows:
+        return
+    device, vocab = logits.device, logits.shape[1]
+    counts = torch.zeros(len(rows), vocab, device=device)
+    in_prompt = torch.zeros(len(rows), vocab, dtype=torch.bool, device=device)
+    for j, i in enumerate(rows):
+        request = requests[i]
+        if request.output_ids:
+            counts[j] = torch.bincount(torch.tensor(request.output_ids, device=device), minlength=vocab)
+        if request.params.repetition_penalty != 1.0:
+            in_prompt[j, torch.tensor(request.prompt_ids, device=device)] = True
+    sub = logits[rows]
+    in_output = counts > 0
+    rep = torch.tensor([requests[i].params.repetition_penalty for i in rows], device=device)[:, None]
+    # Divide positive logits, multiply negative ones.
+    penalized = torch.where(sub > 0, sub / rep, sub * rep)
+    sub = torch.where(in_prompt | in_output, penalized, sub)
+    freq = torch.tensor([requests[i].params.frequency_penalty for i in rows], device=device)[:, None]
+    pres = torch.tensor([requests[i].params.presence_penalty for i in rows], device=device)[:, None]
+    logits[rows] = sub - freq * counts - pres * in_output.float()
+
+
+def apply_bans(logits: torch.Tensor, requests: list[Request]) -> None:
+    for i, request in enumerate(requests):
+        banned = banned_token_ids(request)
+        if banned:
+            logits[i, banned] = _NEG_INF
+
+
+def warp(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    """Temperature, top-k, top-p, min-p, as Hugging Face's warpers in that order: the logits
+    a sampled row draws from, with the removed tokens at -inf."""
+    device = logits.device
+    temperature = torch.tensor([r.params.temperature for r in requests], device=device)[:, None]
+    top_k = torch.tensor([r.params.top_k or logits.shape[1] for r in requests], device=device)
+    top_p = torch.tensor([r.params.top_p for r in requests], device=device)
+    min_p = torch.tensor([r.params.min_p for r in requests], device=device)
+    return _mask_top_k_top_p_min_p(logits / temperature, top_k, top_p, min_p)
 
 
 def _has_penalty(request: Request) -> bool:
@@ -93,14 +108,17 @@ def _has_penalty(request: Request) -> bool:
 
 
 def _mask_top_k_top_p_min_p(logits, top_k, top_p, min_p):
-    sorted_logits, sorted_idx = logits.sort(dim=-1, descending=True)
-    ranks = torch.arange(logits.shape[1], device=logits.device)[None, :]
-    remove = ranks >= top_k[:, None]
-    sorted_probs = torch.softmax(sorted_logits, dim=-1)
-    # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
-    mass_before = sorted_probs.cumsum(dim=-1) - sorted_probs
-    remove |= mass_before >= top_p[:, None]
-    remove |= sorted_probs < min_p[:, None] * sorted_probs[:, :1]
-    remove[:, 0] = False
+    # Ascending, as Hugging Face and vLLM sort, so that ties and rounding fall the same way.
+    sorted_logits, sorted_idx = logits.sort(dim=-1)
+    vocab = logits.shape[1]
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks < (vocab - top_k)[:, None], _NEG_INF)
+    # Top-p over the top-k set renormalised: drop the least likely tokens while their mass stays
+    # within 1 - top_p; the most likely token always stays.
+    remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)[:, None]
+    remove[:, -1] = False
     sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
+    # Min-p relative to the most likely token (which it never removes).
+    probs = sorted_logits.softmax(dim=-1)
+    sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, -1:], _NEG_INF)
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)

@@ -76,7 +76,10 @@ class Scheduler:
                 running.append(request)
                 out.scheduled.append(ScheduledRequest(request, num_new))
                 budget -= num_new
-        self.running = [r for r in running if r.status == RequestStatus.RUNNING]
+        # Victims are taken newest first and never older than the request that needs the
+        # blocks, so no request in `running` (nor in out.scheduled) was preempted after it was
+        # put there: the newer ones this loop reaches later are the ones that may have been.
+        self.running = running
         if not out.preempted:
             self._admit(out, budget)
         out.scheduled.sort(key=lambda s: s.num_tokens != 1)
@@ -103,6 +106,8 @@ class Scheduler:
             if not self.block_manager.allocate(request, num_new, cached):
                 break
             self.waiting.popleft()
+            if request.num_preemptions == 0:  # each prompt counts once in the hit rate
+                self.block_manager.prefix_stats.record(request.num_prompt_tokens, num_cached)
             request.num_computed_tokens = num_cached
             request.num_cached_tokens = num_cached
             request.status = RequestStatus.RUNNING
@@ -112,7 +117,7 @@ class Scheduler:
 
     def _newest_running(self, exclude: list[Request]) -> Request:
         for request in reversed(self.running):
-            if request.status == RequestStatus.RUNNING and request not in exclude:
+            if request not in exclude:
                 return request
         raise AssertionError("no running request to preempt")
 
@@ -124,5 +129,3 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
         out.preempted.append(request)
-        # A request preempted after being scheduled this step must not run.
-        out.scheduled = [s for s in out.scheduled if s.request is not request]

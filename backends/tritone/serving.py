@@ -7,6 +7,7 @@ and send the dicts of arrays returned here, so all parsing and validation is tes
 from __future__ import annotations
 
 import json
+import logging
 import os
 import subprocess
 import threading
@@ -360,6 +361,16 @@ def exit_when_orphaned(poll_seconds: float = 1.0) -> None:
     subprocess.Popen(["/bin/sh", "-c", _ORPHAN_WATCH, "tritone-orphan-watch", str(os.getppid()), str(os.getpid()),
                       str(poll_seconds)], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, close_fds=True)
+
+
+def end_process(message: str) -> None:
+    """The engine died (see AsyncEngine): ends this model's process, once its requests have been
+    failed, so that the launcher restarts the server as for any dead model process. A model that
+    stayed up would accept requests it can never answer, and Triton 2.51's Python backend has no
+    way to report one model instance not ready."""
+    logging.getLogger("tritone").critical("%s: ending the model process", message)
+    logging.shutdown()
+    os._exit(1)
 
 
 SHUTTING_DOWN = "server is shutting down: request not accepted"

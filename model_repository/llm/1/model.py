@@ -19,7 +19,8 @@ from tritone.engine import AsyncEngine, LLMEngine
 from tritone.metrics import EngineMetrics
 from tritone.request import FinishReason
 from tritone.serving import (
-    Drain, ResponseStream, error_message, exit_when_orphaned, model_parameters, parse_llm_request, triton_getter)
+    Drain, ResponseStream, end_process, error_message, exit_when_orphaned, model_parameters, parse_llm_request,
+    triton_getter)
 from tritone.text import Detokenizer, load_tokenizer
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -43,7 +44,7 @@ class TritonPythonModel:
         # Decodes for stop words, and finds where each chunk's decoding context starts.
         self.detokenizer = Detokenizer(load_tokenizer(params["model_dir"]))
         self.metrics = EngineMetrics(pb_utils, engine)
-        self.engine = AsyncEngine(engine, self._send)
+        self.engine = AsyncEngine(engine, self._send, on_fatal=end_process)
         self.engine.start()
         self.stopping = threading.Event()
         exit_when_orphaned()
@@ -85,8 +86,10 @@ class TritonPythonModel:
             sender.send(response)
             return
         with self.final_lock:
-            del self.streams[output.request_id]
-            sender.send(response, flags=_FINAL)
+            if message is not None:  # the last try: the engine's sender sends nothing after it
+                del self.streams[output.request_id]
+            sender.send(response, flags=_FINAL)  # if it raises, the sender sends an error
+            self.streams.pop(output.request_id, None)
 
     def _watch_cancellations(self):
         # Each is_cancelled() is a round trip to the server process: ask once per engine step.

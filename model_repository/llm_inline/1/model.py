@@ -20,7 +20,8 @@ from tritone.inline import InlineText
 from tritone.metrics import EngineMetrics
 from tritone.request import FinishReason
 from tritone.serving import (
-    SHUTTING_DOWN, Drain, ResponseStream, error_message, exit_when_orphaned, model_parameters, triton_getter)
+    SHUTTING_DOWN, Drain, ResponseStream, end_process, error_message, exit_when_orphaned, model_parameters,
+    triton_getter)
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _CANCEL_POLL_SECONDS = 0.02
@@ -39,7 +40,7 @@ class TritonPythonModel:
         self.ids = itertools.count()
         engine = LLMEngine(EngineConfig.from_parameters(params["model_dir"], params))
         self.metrics = EngineMetrics(pb_utils, engine, "llm_inline")
-        self.engine = AsyncEngine(engine, self._send)
+        self.engine = AsyncEngine(engine, self._send, on_fatal=end_process)
         self.engine.start()
         self.stopping = threading.Event()
         exit_when_orphaned()
@@ -89,8 +90,10 @@ class TritonPythonModel:
             sender.send(response)
             return
         with self.final_lock:
-            del self.streams[output.request_id]
-            sender.send(response, flags=_FINAL)
+            if message is not None:  # the last try: the engine's sender sends nothing after it
+                del self.streams[output.request_id]
+            sender.send(response, flags=_FINAL)  # if it raises, the sender sends an error
+            self.streams.pop(output.request_id, None)
 
     def _watch_cancellations(self):
         last_step = -1

@@ -1,0 +1,184 @@
+"""The sampler's transforms against Hugging Face's logits processors on the same logits.
+
+Each row of a batch has its own parameters and its own tokens; Hugging Face's processors run on
+that row alone, with the prompt and the output as `input_ids`, as in `generate`.
+"""
+
+import math
+
+import pytest
+import torch
+from transformers.generation.logits_process import (
+    LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, NoBadWordsLogitsProcessor,
+    RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
+
+from tritone.request import Request, SamplingParams
+from tritone.sampler import Sampler, apply_bans, apply_penalties, warp
+
+VOCAB = 64
+END_IDS = frozenset({2, 3})
+
+
+def request(prompt, output=(), seed=0, **params):
+    return Request("r", list(prompt), SamplingParams(max_tokens=100, **params), output_ids=list(output),
+                   generator=torch.Generator().manual_seed(seed), end_ids=END_IDS)
+
+
+def random_logits(rows, seed=0):
+    return torch.randn(rows, VOCAB, generator=torch.Generator().manual_seed(seed)) * 3
+
+
+def input_ids(req):
+    return torch.tensor([req.prompt_ids + req.output_ids])
+
+
+def hf_warpers(p: SamplingParams) -> LogitsProcessorList:
+    """The warpers `generate` builds for these parameters, in its order."""
+    warpers = LogitsProcessorList()
+    if p.temperature != 1.0:
+        warpers.append(TemperatureLogitsWarper(p.temperature))
+    if p.top_k:
+        warpers.append(TopKLogitsWarper(p.top_k))
+    if p.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(p.top_p))
+    if p.min_p:
+        warpers.append(MinPLogitsWarper(p.min_p))
+    return warpers
+
+
+def assert_same_logits(ours, reference):
+    assert torch.equal(torch.isinf(ours), torch.isinf(reference)), "different tokens removed"
+    finite = torch.isfinite(reference)
+    torch.testing.assert_close(ours[finite], reference[finite])
+
+
+PROMPT = [5, 9, 9, 14, 20, 33]
+OUTPUT = [9, 41, 41, 41, 7, 60]
+
+
+@pytest.mark.parametrize("penalty", [1.3, 0.7])
+def test_repetition_penalty_covers_prompt_and_output_like_hugging_face(penalty):
+    reqs = [request(PROMPT, OUTPUT, repetition_penalty=penalty), request(PROMPT, [], repetition_penalty=penalty),
+            request(PROMPT, OUTPUT)]
+    logits = random_logits(3)
+    ours = logits.clone()
+    apply_penalties(ours, reqs)
+    for i, req in enumerate(reqs):
+        reference = RepetitionPenaltyLogitsProcessor(req.params.repetition_penalty)(input_ids(req), logits[i:i + 1].clone())
+        assert_same_logits(ours[i:i + 1], reference)
+
+
+def test_presence_and_frequency_penalties_count_output_tokens_only_after_the_repetition_penalty():
+    # Hugging Face has no presence or frequency penalty: the reference is vLLM's (and OpenAI's)
+    # definition, logit - frequency * count - presence * (count > 0), over output tokens.
+    req = request(PROMPT, OUTPUT, repetition_penalty=1.2, presence_penalty=0.5, frequency_penalty=0.25)
+    logits = random_logits(1)
+    ours = logits.clone()
+    apply_penalties(ours, [req])
+    reference = RepetitionPenaltyLogitsProcessor(1.2)(input_ids(req), logits.clone())
+    counts = torch.bincount(torch.tensor(OUTPUT), minlength=VOCAB).float()
+    reference -= 0.25 * counts + 0.5 * (counts > 0).float()
+    assert_same_logits(ours, reference)
+    assert ours[0, 5] == reference[0, 5]  # a prompt token: repetition penalty only
+
+
+WARPS = [
+    dict(temperature=0.7),
+    dict(temperature=1.0, top_k=5),
+    dict(temperature=1.0, top_p=0.8),
+    dict(temperature=1.0, min_p=0.1),
+    # top-p measured over the top-k set, renormalised, as Hugging Face does
+    dict(temperature=1.0, top_k=10, top_p=0.5),
+    dict(temperature=1.3, top_k=20, top_p=0.9, min_p=0.05),
+    dict(temperature=0.5, top_p=0.3, min_p=0.2),
+]
+
+
+def test_temperature_top_k_top_p_min_p_and_their_combinations_match_hugging_face():
+    reqs = [request(PROMPT, OUTPUT, **w) for w in WARPS]
+    logits = random_logits(len(WARPS), seed=1)
+    ours = warp(logits.clone(), reqs)
+    for i, req in enumerate(reqs):
+        reference = hf_warpers(req.params)(input_ids(req), logits[i:i + 1].clone())
+        assert_same_logits(ours[i:i + 1], reference)
+
+
+def test_sampled_tokens_follow_hugging_faces_distribution():
+    # 4000 rows of the same logits, each with its own random stream: the frequencies of the
+    # sampled tokens approach the probabilities after Hugging Face's warpers.
+    params = dict(temperature=0.8, top_k=12, top_p=0.9, min_p=0.02)
+    reqs = [request(PROMPT, [], seed=s, **params) for s in range(4000)]
+    logits = random_logits(1, seed=2)
+    tokens, _ = Sampler()(logits.expand(len(reqs), -1).clone(), reqs)
+    probs = torch.softmax(hf_warpers(reqs[0].params)(input_ids(reqs[0]), logits.clone()), dim=-1)[0]
+    freq = torch.bincount(torch.tensor(tokens), minlength=VOCAB).float() / len(tokens)
+    assert set(tokens) <= set(probs.nonzero().flatten().tolist())
+    assert (freq - probs).abs().max() < 0.03
+
+
+def test_bad_words_are_banned_like_hugging_face_also_across_the_prompts_end():
+    bad = [[50], [41, 12], [7, 60, 13], [33, 9, 8], [20, 44]]
+    # [33, 9] ends the prompt and starts the output: its last token is banned next if the output
+    # is [9]; with OUTPUT, [7, 60] ends it.
+    reqs = [request(PROMPT, OUTPUT, bad_token_ids=bad), request(PROMPT[:5], [33], bad_token_ids=bad),
+            request([1, 33], [9], bad_token_ids=bad)]
+    logits = random_logits(3, seed=3)
+    ours = logits.clone()
+    apply_bans(ours, reqs)
+    for i, req in enumerate(reqs):
+        reference = NoBadWordsLogitsProcessor(bad)(input_ids(req), logits[i:i + 1].clone())
+        assert_same_logits(ours[i:i + 1], reference)
+    assert torch.isinf(ours[2, 8]) and torch.isinf(ours[0, 13])
+
+
+@pytest.mark.parametrize("num_output", [0, 2, 3, 4])
+def test_min_tokens_bans_every_end_id_like_hugging_face(num_output):
+    req = request(PROMPT, OUTPUT[:num_output], min_tokens=3)
+    logits = random_logits(1, seed=4)
+    logits[0, 2] = logits[0, 3] = 50.0  # an end id would win
+    ours = logits.clone()
+    apply_bans(ours, [req])
+    processor = MinNewTokensLengthLogitsProcessor(len(PROMPT), 3, sorted(END_IDS))
+    assert_same_logits(ours, processor(input_ids(req), logits.clone()))
+
+
+def test_log_probs_are_those_of_the_penalized_and_banned_distribution():
+    bad = [[41, 12]]
+    reqs = [request(PROMPT, OUTPUT, repetition_penalty=1.5, bad_token_ids=bad, return_log_probs=True,
+                    min_tokens=10),
+            request(PROMPT, OUTPUT, return_log_probs=True)]
+    logits = random_logits(2, seed=5)
+    tokens, log_probs = Sampler()(logits.clone(), reqs)
+    for i, req in enumerate(reqs):
+        processors = LogitsProcessorList([RepetitionPenaltyLogitsProcessor(req.params.repetition_penalty),
+                                          NoBadWordsLogitsProcessor(bad),
+                                          MinNewTokensLengthLogitsProcessor(len(PROMPT), req.params.min_tokens,
+                                                                            sorted(END_IDS))])
+        reference = processors(input_ids(req), logits[i:i + 1].clone())
+        assert tokens[i] == int(reference.argmax())
+        assert math.isclose(log_probs[i], float(torch.log_softmax(reference, -1)[0, tokens[i]]), rel_tol=1e-5)
+
+
+def test_a_tiny_temperature_is_greedy_instead_of_nan():
+    logits = random_logits(2, seed=6)
+    reqs = [request(PROMPT, seed=s, temperature=1e-30) for s in range(2)]
+    assert all(r.params.is_greedy for r in reqs)
+    tokens, _ = Sampler()(logits.clone(), reqs)
+    assert tokens == logits.argmax(-1).tolist()
+    assert not request(PROMPT, temperature=1e-4).params.is_greedy
+
+
+@pytest.mark.parametrize("field", ["temperature", "top_p", "min_p", "repetition_penalty", "presence_penalty",
+                                   "frequency_penalty"])
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+def test_non_finite_parameters_are_refused_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: value}).validate(VOCAB)
+
+
+@pytest.mark.parametrize("field", ["presence_penalty", "frequency_penalty"])
+def test_additive_penalties_stay_within_openais_range(field):
+    SamplingParams(**{field: -2.0}).validate(VOCAB)
+    SamplingParams(**{field: 2.0}).validate(VOCAB)
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**{field: 2.5}).validate(VOCAB)
