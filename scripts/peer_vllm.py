@@ -100,8 +100,8 @@ def install(venv: pathlib.Path = VENV) -> pathlib.Path:
     return python
 
 
-# One thread's GEMMs at the shapes of a small model's decode steps (batch rows x hidden x MLP),
-# timed in the peer's own torch; run in the peer's environment, prints JSON.
+# GEMMs at the shapes of a small model's decode steps (batch rows x hidden x MLP) on the peer
+# engine's number of threads, timed in the peer's own torch; run in its environment, prints JSON.
 _GEMM_PROBE = """
 import json, sys, time, torch
 torch.set_num_threads(int(sys.argv[1]))
