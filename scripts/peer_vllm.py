@@ -126,7 +126,9 @@ def pick_dtype(python: pathlib.Path, num_threads: int) -> tuple[str, dict]:
 
     Faster means less time for one GEMM at each of the probe's batch sizes together. bf16 is
     not always the fast one: on CPUs without AVX512-BF16 or AMX (an AVX2-only Zen 2, say) torch's
-    bf16 GEMMs run several times slower than fp32.
+    bf16 GEMMs run several times slower than fp32. torch's linear stands in for vLLM's own: its
+    prepacked oneDNN linears exist for fp32 there but not for bf16 (creating one fails and vLLM
+    falls back to torch's), so on such CPUs the probe understates fp32's lead, not the choice.
     """
     out = subprocess.run([str(python), "-c", _GEMM_PROBE, str(num_threads)], check=True,
                          capture_output=True, text=True)
