@@ -1,9 +1,18 @@
-"""Engine benchmark: the full ensemble over gRPC streaming against Hugging Face `generate`.
+"""Engine benchmark: the full ensemble over gRPC streaming, against vLLM's CPU build and Hugging Face `generate`.
 
 Prompts of --prompt-len tokens, --output-len tokens each with end of sequence ignored, at each
-concurrency; then static batches of `generate` as the baseline, in the same run. Prints output
-tokens/s, time to first token and inter-token latency (mean, p99), and the engine's
-forward-busy fraction (from the server's metrics). Run it with scripts/benchmark.
+concurrency (closed loop); with --peer vllm, then the same workload against vLLM's CPU build
+serving the same model over its OpenAI /v1/completions stream, after Tritone's server has
+stopped (never both at once); then static batches of `generate` as the baseline, in the same
+run. Prints output tokens/s, time to first token and inter-token latency (mean, p99), the
+engine's forward-busy fraction (from Tritone's metrics), and Tritone/vLLM ratios. Run it with
+scripts/benchmark.
+
+Both stacks are measured the same way: TTFT is the time to the first response that carries a
+token; a later response that carries k tokens after a gap of g seconds counts as k inter-token
+gaps of g/k (the servers' own counts say how many tokens each response carries: Tritone's
+num_output_tokens, vLLM's continuous usage), so a server that bundles tokens under load is
+measured per token like one that streams each.
 """
 
 from __future__ import annotations
@@ -17,6 +26,7 @@ import sys
 import time
 import urllib.request
 
+import aiohttp
 import numpy as np
 import torch
 import tritonclient.grpc.aio as grpcaio
@@ -27,6 +37,8 @@ from tritone.executor.hardware import resolve_dtype
 from tritone.launcher import Server, build_parser, free_port
 from tritone.models import resolve_model
 from tritone_client import infer_inputs
+
+import peer_vllm
 
 
 def make_prompts(tokenizer, num: int, length: int, seed: int = 0) -> list[str]:
@@ -50,11 +62,48 @@ def percentile(values, q):
     return float(np.percentile(values, q)) if values else float("nan")
 
 
-async def run_level(url, prompts, concurrency, output_len):
-    client = grpcaio.InferenceServerClient(url)
-    ttfts, itls, counts = [], [], []
+def token_timings(start: float, arrivals: list[tuple[float, int]]) -> tuple[float, list[float], int, int]:
+    """TTFT, inter-token gaps, output tokens and responses that carried tokens, of one request,
+    from each response's arrival time and its count of output tokens so far (see the module's
+    docstring)."""
+    arrivals = [(t, n) for (t, n), (_, before) in zip(arrivals, [(start, 0)] + arrivals) if n > before]
+    if not arrivals:
+        return float("nan"), [], 0, 0
+    gaps = []
+    for (t, n), (t_prev, n_prev) in zip(arrivals[1:], arrivals):
+        gaps += [(t - t_prev) / (n - n_prev)] * (n - n_prev)
+    return arrivals[0][0] - start, gaps, arrivals[-1][1], len(arrivals)
+
+
+async def closed_loop(one, prompts, concurrency, label="") -> dict:
+    """Runs every prompt through `one(prompt)` -> (start, [(arrival, output tokens so far)]),
+    `concurrency` at a time, each worker sending its next request when its last one ends."""
+    ttfts, itls, counts, responses = [], [], [], []
     queue = list(prompts)
-    bar = tqdm(total=len(prompts), desc=f"concurrency {concurrency}", leave=False)
+    bar = tqdm(total=len(prompts), desc=f"{label}concurrency {concurrency}", leave=False)
+
+    async def worker():
+        while queue:
+            ttft, gaps, n, num_responses = token_timings(*await one(queue.pop()))
+            ttfts.append(ttft)
+            itls.extend(gaps)
+            counts.append(n)
+            responses.append(num_responses)
+            bar.update(1)
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(concurrency)))
+    elapsed = time.perf_counter() - t0
+    bar.close()
+    return {"output_tokens_per_s": sum(counts) / elapsed, "ttft_mean": statistics.mean(ttfts),
+            "ttft_p99": percentile(ttfts, 99), "itl_mean": statistics.mean(itls) if itls else float("nan"),
+            "itl_p99": percentile(itls, 99), "elapsed_s": elapsed, "num_requests": len(counts),
+            "tokens_per_response": sum(counts) / max(1, sum(responses))}
+
+
+async def run_level(url, prompts, concurrency, output_len):
+    """One level against Tritone's ensemble over gRPC streaming."""
+    client = grpcaio.InferenceServerClient(url)
 
     async def one(prompt):
         inputs = infer_inputs(grpcaio, (("text_input", np.array([[prompt.encode()]], dtype=object)),
@@ -66,35 +115,33 @@ async def run_level(url, prompts, concurrency, output_len):
         async def requests():
             yield {"model_name": "ensemble", "inputs": inputs}
 
-        start = last = time.perf_counter()
-        first = None
-        n = 0
+        start, arrivals = time.perf_counter(), []
         async for result, error in client.stream_infer(requests()):
             if error is not None:
                 raise RuntimeError(error)
-            now = time.perf_counter()
-            n = int(result.as_numpy("num_output_tokens").reshape(-1)[0])
-            if first is None:
-                first = now
-                ttfts.append(now - start)
-            else:
-                itls.append(now - last)
-            last = now
-        counts.append(n)
-        bar.update(1)
+            arrivals.append((time.perf_counter(), int(result.as_numpy("num_output_tokens").reshape(-1)[0])))
+        return start, arrivals
 
-    async def worker():
-        while queue:
-            await one(queue.pop())
+    try:
+        return await closed_loop(one, prompts, concurrency)
+    finally:
+        await client.close()
 
-    t0 = time.perf_counter()
-    await asyncio.gather(*(worker() for _ in range(concurrency)))
-    elapsed = time.perf_counter() - t0
-    bar.close()
-    await client.close()
-    return {"output_tokens_per_s": sum(counts) / elapsed, "ttft_mean": statistics.mean(ttfts),
-            "ttft_p99": percentile(ttfts, 99), "itl_mean": statistics.mean(itls) if itls else float("nan"),
-            "itl_p99": percentile(itls, 99), "elapsed_s": elapsed, "num_requests": len(counts)}
+
+async def run_peer_level(server, prompts, concurrency, output_len, prompt_len):
+    """One level against the peer's /v1/completions stream."""
+    # No connection limit but the level's own concurrency; a generous timeout, as a request at
+    # high concurrency on two cores takes minutes.
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
+        async def one(prompt):
+            start, arrivals, num_prompt_tokens = await peer_vllm.stream_completion(
+                session, server.url, server.model_name, prompt, output_len)
+            if num_prompt_tokens != prompt_len:
+                raise RuntimeError(f"vLLM counted {num_prompt_tokens} prompt tokens, not {prompt_len}")
+            return start, arrivals
+
+        return await closed_loop(one, prompts, concurrency, label="vLLM ")
 
 
 def forward_seconds(metrics_url) -> float:
@@ -119,32 +166,67 @@ def hf_baseline(model_dir, prompts_ids, batch, output_len, dtype):
             "elapsed_s": elapsed}
 
 
-def main(argv=None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def parse_args(argv):
+    p = argparse.ArgumentParser(prog="scripts/benchmark", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", help="local Hugging Face model directory (default: the default model)")
-    p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--output-len", type=int, default=128)
-    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
-    p.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32, 128])
-    p.add_argument("--dtype", default="auto")
+    p.add_argument("--prompt-len", type=int, default=64, help="prompt tokens (default 64)")
+    p.add_argument("--output-len", type=int, default=128, help="output tokens, end of sequence ignored (default 128)")
+    p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128],
+                   help="closed-loop concurrency levels, for Tritone and the peer (default 1 32 128)")
+    p.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32, 128],
+                   help="static batches of Hugging Face generate (default 1 32 128; none: no baseline)")
+    p.add_argument("--dtype", default="auto", help="Tritone's --dtype (default auto)")
     p.add_argument("--requests-per-level", type=int, default=0, help="0: max(4, 2 x concurrency), at most 256")
     p.add_argument("--server-args", default="", help="extra scripts/serve options, quoted")
+    p.add_argument("--peer", choices=["vllm"],
+                   help="also run vLLM's CPU build on the same workload, after Tritone (installed once "
+                        "in .venv-vllm/; its server log goes to bench_results/vllm-serve.log)")
+    p.add_argument("--peer-dtype", choices=["auto", "bfloat16", "float32"], default="auto",
+                   help="the peer's dtype; auto (default): whichever runs GEMMs faster in the peer's torch on "
+                        "its engine threads, measured just before it starts (bf16 is several times slower "
+                        "than fp32 without AVX512-BF16 or AMX, e.g. on an AVX2-only Zen 2)")
+    p.add_argument("--peer-threads", type=int, default=0,
+                   help="the peer engine's OpenMP threads (default 0: all cores but one, as Tritone's "
+                        "engine gets by default, leaving the API server a core)")
+    p.add_argument("--peer-args", default="", help="extra `vllm serve` options, quoted")
     p.add_argument("--json", help="write the results here")
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
 
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     model_dir = resolve_model(args.model)
+    # The peer's environment first: a failing install should not come after a long Tritone run.
+    peer_python = peer_vllm.install() if args.peer else None
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     n_max = max(args.concurrency + args.hf_batches)
     prompts = make_prompts(tokenizer, max(n_max * 2, 8), args.prompt_len)
     prompts_ids = [tokenizer(t, add_special_tokens=False).input_ids for t in prompts]
     assert all(len(i) == args.prompt_len for i in prompts_ids), "prompt length drifted on re-tokenization"
-    results = {"config": vars(args), "tritone": {}, "hf_generate": {}}
+    results = {"config": vars(args), "tritone": {}, "peer": {}, "hf_generate": {}}
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
+    results["tritone_dtype"] = str(dtype).removeprefix("torch.")
     for batch in args.hf_batches:
         print(f"Hugging Face generate, static batch {batch}...", flush=True)
         results["hf_generate"][batch] = hf_baseline(model_dir, prompts_ids, batch, args.output_len, dtype)
+    run_tritone(args, model_dir, prompts, results)
+    if args.peer:
+        run_peer(args, peer_python, model_dir, prompts, results)
 
+    print_report(results, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=2)
+    return 0
+
+
+def level_requests(args, prompts, concurrency):
+    n = args.requests_per_level or min(256, max(4, 2 * concurrency))
+    return (prompts * 4)[:n]
+
+
+def run_tritone(args, model_dir, prompts, results):
     ports = [str(free_port()) for _ in range(3)]
     server_args = build_parser().parse_args(["--dtype", args.dtype, "--http-port", ports[0], "--grpc-port", ports[1],
                                              "--metrics-port", ports[2], *args.server_args.split()]
@@ -160,33 +242,75 @@ def main(argv=None) -> int:
         metrics_url = f"http://{server_args.host}:{server_args.metrics_port}/metrics"
         asyncio.run(run_level(url, prompts[:4], 4, 8))  # warm-up
         for c in args.concurrency:
-            n = args.requests_per_level or min(256, max(4, 2 * c))
             f0, t0 = forward_seconds(metrics_url), time.perf_counter()
-            level = asyncio.run(run_level(url, (prompts * 4)[:n], c, args.output_len))
+            level = asyncio.run(run_level(url, level_requests(args, prompts, c), c, args.output_len))
             time.sleep(1.2)  # the server reports metrics once a second
             level["forward_busy"] = (forward_seconds(metrics_url) - f0) / (time.perf_counter() - t0 - 1.2)
             results["tritone"][c] = level
-            print(f"concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s", flush=True)
+            print(f"Tritone, concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, "
+                  f"{level['tokens_per_response']:.2f} tokens per response", flush=True)
     finally:
         server.stop()
 
-    print_report(results, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=2)
-    return 0
+
+def run_peer(args, python, model_dir, prompts, results):
+    num_threads = peer_vllm.engine_threads(args.peer_threads)
+    dtype = args.peer_dtype
+    if dtype == "auto":
+        dtype, speeds = peer_vllm.pick_dtype(python, num_threads)
+        results["peer_gemm_gflops"] = speeds
+        print(f"Peer dtype {dtype}: GEMM GFLOP/s on {num_threads} thread(s) at " + "/".join(speeds["float32"])
+              + " x 576 x 1536: " + ", ".join(f"{name} " + "/".join(f"{g:.1f}" for g in by_rows.values())
+                                             for name, by_rows in speeds.items()), flush=True)
+    results["peer_dtype"], results["peer_threads"] = dtype, num_threads
+    log_path = peer_vllm.ROOT / "bench_results" / "vllm-serve.log"
+    log_path.parent.mkdir(exist_ok=True)
+    server = peer_vllm.VllmServer(python, model_dir, free_port(), dtype, num_threads, log_path,
+                                  args.peer_args.split())
+    print(f"Starting vllm serve, {dtype}, {num_threads} engine thread(s) (log: {log_path}; it compiles "
+          "for a few minutes at every start)...", flush=True)
+    server.start()
+    try:
+        results["peer_ready_s"] = server.wait_ready()
+        print(f"vLLM ready in {results['peer_ready_s']:.0f} s", flush=True)
+        asyncio.run(run_peer_level(server, prompts[:4], 4, 8, args.prompt_len))  # warm-up
+        for c in args.concurrency:
+            level = asyncio.run(run_peer_level(server, level_requests(args, prompts, c), c, args.output_len,
+                                               args.prompt_len))
+            results["peer"][c] = level
+            print(f"vLLM, concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, "
+                  f"{level['tokens_per_response']:.2f} tokens per response", flush=True)
+    finally:
+        server.stop()
 
 
 def print_report(results, args):
-    print(f"\nprompt {args.prompt_len} tokens, output {args.output_len} tokens (end of sequence ignored)")
+    print(f"\nprompt {args.prompt_len} tokens, output {args.output_len} tokens (end of sequence ignored); "
+          f"Tritone {results['tritone_dtype']}"
+          + (f", vLLM {results['peer_dtype']} on {results['peer_threads']} engine thread(s)" if results["peer"] else ""))
     print("| configuration | output tok/s | TTFT mean (s) | TTFT p99 (s) | ITL mean (ms) | ITL p99 (ms) | forward-busy |")
     print("|---|---|---|---|---|---|---|")
-    for c, r in results["tritone"].items():
-        print(f"| Tritone, concurrency {c} | {r['output_tokens_per_s']:.1f} | {r['ttft_mean']:.3f} | {r['ttft_p99']:.3f} "
-              f"| {1000 * r['itl_mean']:.1f} | {1000 * r['itl_p99']:.1f} | {r['forward_busy']:.2f} |")
+    for name, key in (("Tritone", "tritone"), ("vLLM CPU", "peer")):
+        for c, r in results[key].items():
+            busy = f"{r['forward_busy']:.2f}" if "forward_busy" in r else ""
+            print(f"| {name}, concurrency {c} | {r['output_tokens_per_s']:.1f} | {r['ttft_mean']:.3f} | {r['ttft_p99']:.3f} "
+                  f"| {1000 * r['itl_mean']:.1f} | {1000 * r['itl_p99']:.1f} | {busy} |")
     for b, r in results["hf_generate"].items():
         print(f"| HF generate, static batch {b} | {r['output_tokens_per_s']:.1f} | | | {1000 * r['itl_mean']:.1f} | | |")
-    hf, tr = results["hf_generate"], results["tritone"]
+    tr, peer, hf = results["tritone"], results["peer"], results["hf_generate"]
+    if peer:
+        print("\n| concurrency | Tritone tok/s | vLLM tok/s | Tritone/vLLM tok/s | Tritone ITL (ms) | vLLM ITL (ms) | Tritone/vLLM ITL |")
+        print("|---|---|---|---|---|---|---|")
+        for c in tr:
+            if c in peer:
+                t, v = tr[c], peer[c]
+                print(f"| {c} | {t['output_tokens_per_s']:.1f} | {v['output_tokens_per_s']:.1f} "
+                      f"| {t['output_tokens_per_s'] / v['output_tokens_per_s']:.2f}x | {1000 * t['itl_mean']:.1f} "
+                      f"| {1000 * v['itl_mean']:.1f} | {t['itl_mean'] / v['itl_mean']:.2f}x |")
+        if 1 in tr and 1 in peer:
+            print(f"ITL at concurrency 1: Tritone {1000 * tr[1]['itl_mean']:.1f} ms, vLLM {1000 * peer[1]['itl_mean']:.1f} ms")
+        print("tokens per streamed response, Tritone/vLLM: " + ", ".join(
+            f"c={c} {tr[c]['tokens_per_response']:.2f}/{peer[c]['tokens_per_response']:.2f}" for c in tr if c in peer))
     if 32 in hf:
         for c in (32, 128):
             if c in tr:
