@@ -276,3 +276,21 @@ def test_a_client_that_goes_away_frees_the_engine_within_a_second(oai_server, cl
     # And the server goes on serving.
     answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
     assert "Paris" in answer.choices[0].message.content
+
+
+def test_a_queued_request_whose_client_leaves_is_dropped_from_the_engine(oai_server, model):
+    # The server runs one sequence at a time: B waits behind A and has sent nothing back, so no
+    # postprocessing step can see its cancellation; the front end tells the engine directly.
+    cancel_a = cancel_grpc_ensemble_stream(oai_server, model)
+    try:
+        body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 50, "stream": True}).encode()
+        b = socket.create_connection((oai_server.args.host, int(oai_server.openai_url.split(":")[2].split("/")[0])))
+        b.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: tritone\r\nAuthorization: Bearer %s\r\n"
+                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (API_KEY.encode(), len(body), body))
+        assert wait_for(lambda: metric_values(oai_server)["tritone_num_requests_waiting"] == 1, 5)
+        b.close()
+        assert wait_for(lambda: metric_values(oai_server)["tritone_num_requests_waiting"] == 0, 1.0)
+        assert metric_values(oai_server)["tritone_num_requests_running"] == 1  # A goes on
+    finally:
+        cancel_a()
+    assert wait_for(lambda: kv_blocks_used(oai_server) == 0, 1.0)

@@ -23,7 +23,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 
@@ -225,39 +225,45 @@ class OpenAIServer:
                 message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
             return error_response(RequestError(message, param))
 
+        @app.exception_handler(ClientGone)
+        async def gone(_, exc: ClientGone):
+            return JSONResponse(error_body("client disconnected"), status_code=499)
+
         @app.exception_handler(RequestError)
         async def refused(_, exc: RequestError):
             return error_response(exc)
 
-        @app.middleware("http")
-        async def authorize(request: Request, call_next):
-            if self.api_key and request.url.path.startswith("/v1/"):
+        async def authorize(request: Request):
+            # A dependency rather than a middleware: Starlette's BaseHTTPMiddleware wraps the
+            # connection's receive, through which a streamed response notices a disconnect.
+            if self.api_key:
                 given = request.headers.get("authorization", "")
                 if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                    return JSONResponse(error_body("invalid or missing API key (Authorization: Bearer ...)",
-                                                   "authentication_error", code="invalid_api_key"), status_code=401)
-            return await call_next(request)
+                    raise RequestError("invalid or missing API key (Authorization: Bearer ...)", status=401,
+                                       type="authentication_error")
+
+        auth = [Depends(authorize)]
 
         @app.get("/health")
         async def health():
             return {"status": "ok"}
 
-        @app.get("/v1/models")
+        @app.get("/v1/models", dependencies=auth)
         async def models():
             return {"object": "list", "data": [self._model_card()]}
 
-        @app.get("/v1/models/{name:path}")
+        @app.get("/v1/models/{name:path}", dependencies=auth)
         async def model(name: str):
             self._check_model(name)
             return self._model_card()
 
-        @app.post("/v1/completions")
-        async def completions(body: CompletionRequest):
-            return await self._serve(body, "cmpl", _CompletionFormat)
+        @app.post("/v1/completions", dependencies=auth)
+        async def completions(body: CompletionRequest, request: Request):
+            return await self._serve(body, request, "cmpl", _CompletionFormat)
 
-        @app.post("/v1/chat/completions")
-        async def chat(body: ChatCompletionRequest):
-            return await self._serve(body, "chatcmpl", _ChatFormat)
+        @app.post("/v1/chat/completions", dependencies=auth)
+        async def chat(body: ChatCompletionRequest, request: Request):
+            return await self._serve(body, request, "chatcmpl", _ChatFormat)
 
     def _model_card(self) -> dict:
         return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tritone"}
@@ -267,19 +273,17 @@ class OpenAIServer:
             raise RequestError(f"model {name!r} does not exist: this server serves {self.model_name!r}", "model",
                                status=404, type="not_found_error")
 
-    async def _serve(self, body, prefix: str, format_cls):
+    async def _serve(self, body, request: Request, prefix: str, format_cls):
         self._check_model(body.model)
         body.check_supported()
         fmt = format_cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), self.model_name, body.wants_logprobs)
         chunks = self.backend.generate(fmt.id, body.ensemble_inputs())
         try:
             if not body.stream:
-                answer = Answer()
-                async for chunk in chunks:
-                    answer.add(chunk)
+                answer = await _unless_gone(request, _join(chunks))
                 return fmt.whole(answer)
             # The first response decides the status: an error before any token is an HTTP error.
-            first = await chunks.__anext__()
+            first = await _unless_gone(request, chunks.__anext__())
         except StopAsyncIteration:
             raise RequestError("the server ended the stream without an answer", status=500, type="server_error")
         except BaseException:
@@ -311,6 +315,33 @@ class OpenAIServer:
         finally:
             chunks.close()
         yield _sse("[DONE]")
+
+
+async def _join(chunks: Generation) -> Answer:
+    answer = Answer()
+    async for chunk in chunks:
+        answer.add(chunk)
+    return answer
+
+
+class ClientGone(Exception):
+    pass
+
+
+async def _unless_gone(request: Request, awaitable, poll_seconds: float = 0.2):
+    """The awaitable's result, unless the client disconnects first (ClientGone). Starlette
+    notices a disconnect by itself only once a streamed body is being sent; before that (a
+    request waiting in the engine's queue, a long prefill, a whole answer) it is looked for here."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_seconds)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        task.cancel()
 
 
 def _usage(answer) -> dict:
