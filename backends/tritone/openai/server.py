@@ -109,7 +109,9 @@ class Backend:
         inputs = self._inputs({"ABORT_REQUEST_ID": np.array([[request_id.encode()]], dtype=object)})
 
         async def requests():
-            yield {"model_name": "llm", "inputs": inputs}
+            # The llm answers a control request with a final flag and no tensors, which Triton
+            # sends to a gRPC client only when asked to.
+            yield {"model_name": "llm", "inputs": inputs, "parameters": {"triton_enable_empty_final_response": True}}
 
         async def send():
             async for _, error in self.client.stream_infer(requests()):
@@ -134,32 +136,33 @@ class Generation:
 
     def __init__(self, backend: Backend, request_id: str, stream):
         self.backend, self.request_id, self.stream = backend, request_id, stream
-        self.is_finished = False
+        # The final response came, or an error: nothing left to cancel in the engine.
+        self.is_answered = False
 
     def __aiter__(self):
         return self
 
     async def __anext__(self) -> Chunk:
-        if self.is_finished:
-            raise StopAsyncIteration
-        try:
-            result, error = await self.stream.__anext__()
-        except StopAsyncIteration:
-            self.is_finished = True
-            raise
+        # After the final response the server ends the stream: read on to that end, since a
+        # call left open at the last response is cancelled, and Triton 2.51 may then count the
+        # ensemble request in flight for good (tritone_client.load reads to the end too).
+        result, error = await self.stream.__anext__()
         if error is not None:
-            self.is_finished = True
+            self.is_answered = True
             message = _ENSEMBLE_PREFIX.sub("", error.message() if hasattr(error, "message") else str(error))
             status = error_status(message)
             raise RequestError(message, status=status, type="server_error" if status >= 500 else "invalid_request_error")
         chunk = _chunk(result)
-        # Read no further: the final response is the last, and the server then ends the stream.
-        self.is_finished = chunk.finish_reason is not None
+        self.is_answered = self.is_answered or chunk.finish_reason is not None
         return chunk
 
+    async def read_to_end(self) -> None:
+        async for _ in self:
+            pass
+
     def close(self) -> None:
-        if not self.is_finished:
-            self.is_finished = True
+        if not self.is_answered:
+            self.is_answered = True
             self.stream.cancel()
             self.backend._abort_later(self.request_id)
 
@@ -306,6 +309,7 @@ class OpenAIServer:
                 if chunk.finish_reason:
                     break
                 chunk = await chunks.__anext__()
+            await chunks.read_to_end()
             if include_usage:
                 yield _sse(fmt.usage(last))
         except RequestError as exc:  # after the first response: reported in the stream
