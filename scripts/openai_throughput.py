@@ -68,8 +68,10 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scripts/openai_throughput", description=__doc__.split("\n\n")[0])
     p.add_argument("--concurrency", type=int, nargs="+", default=[32, 128])
     p.add_argument("--prompt-tokens", type=int, default=64)
-    p.add_argument("--output-tokens", type=int, default=64)
-    p.add_argument("--duration", type=float, default=20.0, help="measurement window per level and path, seconds")
+    p.add_argument("--output-tokens", type=int, default=32)
+    p.add_argument("--duration", type=float, default=60.0,
+                   help="measurement window per level and path, seconds: longer than a request takes, so that "
+                        "requests start and finish inside it")
     p.add_argument("--warmup", type=float, default=5.0)
     p.add_argument("--model", help="model directory (default: the default model)")
     p.add_argument("--json", type=pathlib.Path, help="write the results here")
