@@ -62,7 +62,7 @@ def start_server(tmp_path_factory, name: str, *options: str):
 
     args = build_parser().parse_args([
         "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
-        "--dtype", "float32", *options,
+        "--dtype", "float32", "--openai-port", "0", *options,
     ])
     run_dir = tmp_path_factory.mktemp(name)
     log = open(run_dir / "server.log", "w")

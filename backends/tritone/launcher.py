@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--inline", action="store_true",
                    help="serve llm_inline (tokenizer, engine and detokenizer in one process, the benchmarks' "
                         "ablation) instead of the ensemble")
+    p.add_argument("--openai-port", type=int, default=9000,
+                   help="port of tritone-openai, the OpenAI-compatible API on --host (default 9000; 0: off)")
+    p.add_argument("--api-key", default=None,
+                   help="key tritone-openai requires as 'Authorization: Bearer KEY' (default: $TRITONE_API_KEY; "
+                        "none: open)")
     p.add_argument("--log-verbose", type=int, default=0)
     return p
 
@@ -171,6 +176,7 @@ class Server:
         self.model_dir = resolve_model(args.model)
         self.run_dir = run_dir or cache_root() / "run" / f"{args.http_port}"
         self.process: subprocess.Popen | None = None
+        self.frontend: subprocess.Popen | None = None
         self.num_restarts = 0
         self._stdout = None
         self._is_stopping = False
@@ -202,6 +208,39 @@ class Server:
         self.process = subprocess.Popen(self.command(install, repository), env=install.env, stdout=stdout,
                                         stderr=subprocess.STDOUT if stdout else None,
                                         start_new_session=True, preexec_fn=_die_with_parent)
+        self._start_frontend(stdout)
+
+    def _start_frontend(self, stdout) -> None:
+        """tritone-openai, a process of its own, on the gRPC port (the key goes by environment,
+        out of the process list)."""
+        a = self.args
+        if not getattr(a, "openai_port", 0):
+            return
+        env = dict(os.environ)
+        if a.api_key:
+            env["TRITONE_API_KEY"] = a.api_key
+        grpc_host = "127.0.0.1" if a.host in ("0.0.0.0", "::", "") else a.host
+        command = [sys.executable, "-m", "tritone.openai", "--grpc-url", f"{grpc_host}:{a.grpc_port}",
+                   "--host", a.host, "--port", str(a.openai_port), "--model-name", self.model_dir.name]
+        self.frontend = subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
+                                         start_new_session=True, preexec_fn=_die_with_parent)
+
+    def _stop_frontend(self) -> None:
+        # First, so that no new request arrives during the drain; uvicorn gives the streams it
+        # holds a few seconds, then closes them (which aborts them in the engine).
+        if self.frontend is None or self.frontend.poll() is not None:
+            return
+        self.frontend.terminate()
+        try:
+            self.frontend.wait(10)
+        except subprocess.TimeoutExpired:
+            self.frontend.kill()
+            self.frontend.wait()
+
+    @property
+    def openai_url(self) -> str | None:
+        port = getattr(self.args, "openai_port", 0)
+        return f"http://{self.args.host}:{port}/v1" if port else None
 
     @property
     def triton_exit_timeout(self) -> int:
@@ -234,11 +273,27 @@ class Server:
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
-                        return
+                        return self._wait_frontend(deadline)
             except OSError:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver was not ready within {timeout:.0f} s")
+
+    def _wait_frontend(self, deadline: float) -> None:
+        # A front end that cannot start (its port taken) leaves tritonserver serving: say so.
+        while self.frontend is not None and time.monotonic() < deadline:
+            if self.frontend.poll() is not None:
+                print(f"tritone: tritone-openai exited with code {self.frontend.returncode} "
+                      f"(is port {self.args.openai_port} taken? --openai-port N, or 0 to turn it off)",
+                      file=sys.stderr, flush=True)
+                return
+            try:
+                with urllib.request.urlopen(self.openai_url.removesuffix("/v1") + "/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(0.2)
 
     def stub_pids(self) -> set[int]:
         """The Python backend stubs of the running tritonserver: one process per model instance."""
@@ -317,6 +372,7 @@ class Server:
         # Past its own exit timeout, tritonserver 2.51 has been seen to hang rather than exit
         # (with a client's gRPC stream still open): after the drain, nothing is lost by killing it.
         timeout = timeout or self.triton_exit_timeout + 5
+        self._stop_frontend()
         if self.process is None or self.process.poll() is not None:
             return self.process.returncode if self.process else 0
         if not restarting and not self.drain(self.args.exit_timeout):
@@ -340,7 +396,7 @@ def temporary_server(log_path: pathlib.Path, *options: str):
     """A tritonserver on free ports for one script's run, with extra launcher `options`: ready
     inside the block, then stopped and its run directory removed."""
     args = build_parser().parse_args(["--http-port", str(free_port()), "--grpc-port", str(free_port()),
-                                      "--metrics-port", str(free_port()), *options])
+                                      "--metrics-port", str(free_port()), "--openai-port", "0", *options])
     server = Server(args, run_dir=pathlib.Path(tempfile.mkdtemp(prefix="tritone-server-")))
     print(f"Starting tritonserver (log: {log_path})", flush=True)
     with open(log_path, "w") as log:
@@ -373,10 +429,17 @@ Tritone is serving {server.model_dir.name} as model "ensemble".
   tritone-client generate --url {a.host}:{a.grpc_port} --stream "What is the capital of France?"
 Metrics: http://{a.host}:{a.metrics_port}/metrics    Stop: Ctrl-C
 """, flush=True)
+    if server.openai_url:
+        key = "$TRITONE_API_KEY" if a.api_key else "none"
+        print(f"""OpenAI-compatible API: {server.openai_url} (model "{server.model_dir.name}")
+  curl -s {server.openai_url}/chat/completions -H "Authorization: Bearer {key}" -H 'Content-Type: application/json' \\
+       -d '{{"model": "{server.model_dir.name}", "messages": [{{"role": "user", "content": "Hi!"}}], "max_tokens": 24}}'
+""", flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    args.api_key = args.api_key or os.environ.get("TRITONE_API_KEY")
     server = Server(args)
     started = time.monotonic()
     server.start()

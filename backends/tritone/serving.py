@@ -144,6 +144,17 @@ def parse_llm_request(get: Getter) -> LLMRequest:
     )
 
 
+def abort_target(get: Getter) -> tuple[int | None, str | None] | None:
+    """A control request's target: (engine key, None) or (None, Triton request id); None for a
+    generation request."""
+    key, request_id = get("ABORT_KEY"), get("ABORT_REQUEST_ID")
+    if key is not None:
+        return int(key.reshape(-1)[0]), None
+    if request_id is not None:
+        return None, decode_text(request_id.reshape(-1)[0], "abort_request_id")
+    return None
+
+
 def _word_ids(get: Getter, name: str) -> list[list[int]]:
     array = get(name)
     return [] if array is None else from_word_list_tensor(array)

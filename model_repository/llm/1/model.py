@@ -12,6 +12,7 @@ try:  # the launcher puts this beside the Python backend: it adds the environmen
 except ImportError:  # NVIDIA's container, where the package is installed system-wide
     pass
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritone.config import EngineConfig
@@ -19,14 +20,15 @@ from tritone.engine import AsyncEngine, LLMEngine
 from tritone.metrics import EngineMetrics
 from tritone.request import FinishReason
 from tritone.serving import (
-    Drain, ResponseStream, end_process, error_message, exit_when_orphaned, model_parameters, parse_llm_request,
-    triton_getter)
+    Drain, ResponseStream, abort_target, end_process, error_message, exit_when_orphaned, model_parameters,
+    parse_llm_request, triton_getter)
 from tritone.text import Detokenizer, load_tokenizer
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-# How often client cancellations may be looked for, and metrics reported.
+# How often client cancellations may be looked for, and metrics reported (often enough that the
+# KV gauges trail the engine by a quarter second: the cancellation tests read them).
 _CANCEL_POLL_SECONDS = 0.02
-_METRICS_SECONDS = 1.0
+_METRICS_SECONDS = 0.25
 
 
 class TritonPythonModel:
@@ -56,10 +58,16 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            get = triton_getter(pb_utils, request)
+            if (target := abort_target(get)) is not None:
+                self._abort(*target)
+                sender.send(flags=_FINAL)
+                continue
             request_id = str(next(self.ids))
             try:
-                parsed = parse_llm_request(triton_getter(pb_utils, request))
-                self.streams[request_id] = (ResponseStream(parsed, self.detokenizer), sender)
+                parsed = parse_llm_request(get)
+                # The Triton request id: an ensemble's steps carry the ensemble request's.
+                self.streams[request_id] = (ResponseStream(parsed, self.detokenizer), sender, request.request_id())
                 self.engine.submit(request_id, parsed.prompt_ids, parsed.params)
             except (ValueError, RuntimeError) as exc:
                 with self.final_lock:
@@ -71,7 +79,7 @@ class TritonPythonModel:
         entry = self.streams.get(output.request_id)
         if entry is None:  # the engine's outputs after a stop word already ended the stream
             return
-        stream, sender = entry
+        stream, sender, _ = entry
         message = error_message(output)
         if message is not None:
             response = pb_utils.InferenceResponse(error=pb_utils.TritonError(message))
@@ -79,6 +87,7 @@ class TritonPythonModel:
             tensors = stream.on_output(output)
             if tensors is None:
                 return
+            tensors["REQUEST_KEY"] = np.array([int(output.request_id)], dtype=np.uint64)
             response = pb_utils.InferenceResponse([pb_utils.Tensor(n, a[None]) for n, a in tensors.items()])
             if stream.is_finished and not output.finished:
                 self.engine.abort(output.request_id, FinishReason.STOP)
@@ -90,6 +99,12 @@ class TritonPythonModel:
                 del self.streams[output.request_id]
             sender.send(response, flags=_FINAL)  # if it raises, the sender sends an error
             self.streams.pop(output.request_id, None)
+
+    def _abort(self, key, triton_id):
+        # Unknown or finished requests are ignored: aborts may race with the end of a request.
+        ids = [str(key)] if key is not None else [i for i, e in list(self.streams.items()) if e[2] == triton_id]
+        for request_id in ids:
+            self.engine.abort(request_id)
 
     def _watch_cancellations(self):
         # Each is_cancelled() is a round trip to the server process: ask once per engine step.

@@ -17,9 +17,24 @@ class TritonPythonModel:
         self.postprocess = Postprocessor.from_parameters(model_parameters(json.loads(args["model_config"])))
 
     def execute(self, requests):
-        results = self.postprocess([triton_getter(pb_utils, r) for r in requests])
+        # Triton 2.51 marks every step of an ensemble request scheduled after its client
+        # cancelled it, but never the llm step already running: tell the engine here.
+        cancelled = [r.is_cancelled() for r in requests]
+        for request, is_cancelled in zip(requests, cancelled):
+            if is_cancelled:
+                self._abort_in_engine(request)
+        live = [r for r, is_cancelled in zip(requests, cancelled) if not is_cancelled]
+        results = iter(self.postprocess([triton_getter(pb_utils, r) for r in live]))
         return [
-            pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, a[None]) for n, a in result.items()])
-            for result in results
+            pb_utils.InferenceResponse(error=pb_utils.TritonError("request cancelled")) if is_cancelled
+            else pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, a[None]) for n, a in next(results).items()])
+            for is_cancelled in cancelled
         ]
 
+    def _abort_in_engine(self, request):
+        key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
+        abort = pb_utils.InferenceRequest(model_name="llm", inputs=[pb_utils.Tensor("ABORT_KEY", key.as_numpy())],
+                                          requested_output_names=[])
+        for response in abort.exec(decoupled=True):  # one empty final response
+            if response.has_error():
+                pb_utils.Logger.log_error(f"abort of engine request {key.as_numpy()} failed: {response.error().message()}")

@@ -1,0 +1,5 @@
+import sys
+
+from tritone.openai.server import main
+
+sys.exit(main())
