@@ -49,7 +49,7 @@ def test_a_final_response_that_fails_to_send_is_followed_by_one_error_response(m
     sender = FakeSender(fail_final_sends=1)
     request = LLMRequest([1, 2], SamplingParams(max_tokens=1), stream=False, exclude_input_in_output=True,
                          skip_special_tokens=True)
-    model.streams["7"] = (ResponseStream(request, detokenizer), sender)
+    model.streams["7"] = (ResponseStream(request, detokenizer), sender, "triton-7")
     with pytest.raises(RuntimeError):
         model._send(RequestOutput("7", [42], [0.0], 2, 1, True, FinishReason.LENGTH))
     assert "7" in model.streams  # kept, so that the engine's sender can still end it
