@@ -300,3 +300,12 @@ def test_an_add_that_raises_fails_that_request_alone(model_dir, prompt_ids, expe
     async_engine.stop()
     assert "injected add fault" in collector.finals("bad")[0].error
     assert collector.tokens("good") == expected[4] and async_engine.dead is None
+
+
+def test_penalties_and_bans_run_on_the_runners_logits(model_dir, prompt_ids):
+    # The runner returns inference-mode tensors; the sampler edits them in place.
+    engine = _shared_engine(model_dir)
+    params = SamplingParams(max_tokens=4, repetition_penalty=1.3, presence_penalty=0.5, bad_token_ids=[[198]],
+                            end_id=-1)
+    got = run_staggered(engine, prompt_ids[:2], lambda i: params)
+    assert [len(g) for g in got] == [4, 4] and all(198 not in g for g in got)

@@ -131,6 +131,7 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work
 
+    @torch.inference_mode()  # the runner's logits are inference tensors, and the sampler edits them
     def step(self) -> list[RequestOutput]:
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
