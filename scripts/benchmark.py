@@ -186,8 +186,8 @@ def parse_args(argv):
                         "its engine threads, measured just before it starts (bf16 is several times slower "
                         "than fp32 without AVX512-BF16 or AMX, e.g. on an AVX2-only Zen 2)")
     p.add_argument("--peer-threads", type=int, default=0,
-                   help="the peer engine's OpenMP threads (default 0: all cores but one, as Tritone's "
-                        "engine gets by default, leaving the API server a core)")
+                   help="the peer engine's OpenMP threads (default 0: as many as Tritone's engine gets, "
+                        "every core by default)")
     p.add_argument("--peer-args", default="", help="extra `vllm serve` options, quoted")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)

@@ -127,7 +127,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds in-flight requests get to finish on shutdown, while new ones are refused")
     p.add_argument("--max-queue-len", type=int, default=0, help="waiting requests beyond this get 'server busy' (0: no limit)")
     p.add_argument("--num-threads", type=int, default=0,
-                   help="CPU threads for the model (0: all cores but one, left to the text stages)")
+                   help="CPU threads for the model (0: every core)")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model's forward on CPU (auto: where a C++ compiler is present); "
                         "the first start compiles, later starts load the cache")

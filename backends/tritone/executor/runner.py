@@ -72,7 +72,7 @@ class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.device = hardware.resolve_device(config.device)
         if self.device.type == "cpu":
-            torch.set_num_threads(config.num_threads or max(1, (os.cpu_count() or 1) - 1))
+            torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.dtype = hardware.resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
         self.hf_config = AutoConfig.from_pretrained(config.model)
