@@ -120,7 +120,7 @@ class Linear(nn.Module):
         self.packed_weight, self.packed = gemm.pack(self.weight)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
+        if self.packed is not None and x.shape[0] > 1:  # one row: MKL's GEMV, without the op's dispatch
             return gemm.linear(x, self.weight, self.bias, self.packed)
         return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
