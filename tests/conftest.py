@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import pathlib
+import socket
 
 import pytest
 import torch
@@ -89,6 +91,22 @@ def server(model_dir, tmp_path_factory):
     log.close()
     assert code == 0, (srv.run_dir / "server.log").read_text()[-3000:]
     assert not processes_mentioning(str(srv.run_dir)), "a Python backend stub outlived tritonserver"
+
+
+def open_http_generate_stream(server, max_tokens: int, num_events: int = 3) -> socket.socket:
+    """A raw HTTP generate_stream of the ensemble, read until its first `num_events` events;
+    the caller drops the connection by closing the returned socket."""
+    body = json.dumps({"text_input": "Count to one thousand:", "max_tokens": max_tokens, "end_id": -1,
+                       "stream": True, "apply_chat_template": False}).encode()
+    s = socket.create_connection((server.args.host, server.args.http_port), timeout=60)
+    s.sendall(b"POST /v2/models/ensemble/generate_stream HTTP/1.1\r\nHost: tritone\r\n"
+              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    received = b""
+    while received.count(b"data:") < num_events:
+        chunk = s.recv(4096)
+        assert chunk, received
+        received += chunk
+    return s
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -16,7 +16,7 @@ import openai
 import pytest
 import tritonclient.grpc as grpcclient
 
-from conftest import start_server
+from conftest import open_http_generate_stream, start_server
 from test_integration import metric_values
 from tritone.launcher import free_port
 from tritone_client import TritoneClient
@@ -221,17 +221,7 @@ def drop_openai_stream(server, model):
 
 
 def drop_http_generate_stream(server, model):
-    body = json.dumps({"text_input": "Count to one thousand:", "max_tokens": LONG_TOKENS, "end_id": -1,
-                       "stream": True, "apply_chat_template": False}).encode()
-    s = socket.create_connection((server.args.host, server.args.http_port), timeout=60)
-    s.sendall(b"POST /v2/models/ensemble/generate_stream HTTP/1.1\r\nHost: tritone\r\n"
-              b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-    received = b""
-    while received.count(b"data:") < 3:
-        chunk = s.recv(4096)
-        assert chunk, received
-        received += chunk
-    return s.close
+    return open_http_generate_stream(server, LONG_TOKENS).close
 
 
 def cancel_grpc_ensemble_stream(server, model):

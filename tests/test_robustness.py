@@ -7,7 +7,6 @@ blocks and a queue limit) whose llm process gets killed, and which the last test
 import json
 import os
 import signal
-import socket
 import threading
 import time
 import urllib.request
@@ -16,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from conftest import PROMPTS, start_server
+from conftest import PROMPTS, open_http_generate_stream, start_server
 from test_integration import grpc_inputs, metric_values, post
 
 pytestmark = pytest.mark.integration
@@ -283,16 +282,7 @@ def test_a_full_queue_answers_server_busy_and_serves_the_rest(small_server, alon
 
 def abandon_http_stream(server, max_tokens):
     """Starts an HTTP generate_stream and disconnects after its first events."""
-    body = json.dumps({"text_input": "Count to one thousand:", "max_tokens": max_tokens, "end_id": -1,
-                       "stream": True, "apply_chat_template": False}).encode()
-    with socket.create_connection((server.args.host, server.args.http_port), timeout=60) as s:
-        s.sendall(b"POST /v2/models/ensemble/generate_stream HTTP/1.1\r\nHost: tritone\r\n"
-                  b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
-        received = b""
-        while received.count(b"data:") < 3:
-            chunk = s.recv(4096)
-            assert chunk, received
-            received += chunk
+    open_http_generate_stream(server, max_tokens).close()
 
 
 def abandon_grpc_stream(server, max_tokens):

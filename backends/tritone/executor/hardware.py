@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import pathlib
 import platform
 import time
 
@@ -36,7 +37,7 @@ def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return fastest_cpu_dtype()
 
 
-def cpu_key() -> str:
+def _cpu_key() -> str:
     try:
         with open("/proc/cpuinfo") as f:
             info = "".join(line for line in f if line.startswith(("model name", "flags")))
@@ -46,10 +47,15 @@ def cpu_key() -> str:
     return hashlib.sha256(raw.encode()).hexdigest()[:16]
 
 
-def fastest_cpu_dtype() -> torch.dtype:
+def facts_path(name: str) -> pathlib.Path:
+    """Where measured facts named `name` are cached for this CPU, torch version and thread count."""
     from tritone.models import cache_root
 
-    path = cache_root() / "hardware" / f"cpu-{cpu_key()}.json"
+    return cache_root() / "hardware" / f"{name}-{_cpu_key()}.json"
+
+
+def fastest_cpu_dtype() -> torch.dtype:
+    path = facts_path("cpu")
     try:
         facts = json.loads(path.read_text())
         source = "cached"

@@ -23,10 +23,15 @@ from tritone.scheduler import SchedulerOutput
 logger = logging.getLogger(__name__)
 
 
+def kv_head_shape(text_config) -> tuple[int, int]:
+    """(num_kv_heads, head_dim) of a checkpoint's attention: one row of its KV cache."""
+    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
+    return getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads, head_dim
+
+
 def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
     text_config = hf_config.get_text_config()
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+    num_kv_heads, head_dim = kv_head_shape(text_config)
     return 2 * text_config.num_hidden_layers * num_kv_heads * head_dim * dtype.itemsize
 
 
@@ -58,11 +63,9 @@ def build_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.dev
 
 def prepack_linears(model: torch.nn.Module, dtype: torch.dtype) -> None:
     """Prepacks the weights of every linear whose shape measured faster that way."""
-    from tritone.models import cache_root
-
     linears = [m for m in model.modules() if isinstance(m, llama.Linear)]
     shapes = {tuple(m.weight.shape) for m in linears}
-    choice = gemm.choose_packing(shapes, dtype, cache_root() / "hardware" / f"gemm-{hardware.cpu_key()}.json")
+    choice = gemm.choose_packing(shapes, dtype, hardware.facts_path("gemm"))
     for m in linears:
         if choice[tuple(m.weight.shape)]:
             m.prepack()
@@ -82,8 +85,7 @@ class ModelRunner:
         self.block_size = config.block_size
         self.num_blocks = self._num_kv_blocks(config)
         self.model = build_model(config.model, self.hf_config, self.dtype, self.device, self.max_model_len)
-        head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-        num_kv_heads = getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads
+        num_kv_heads, head_dim = kv_head_shape(text_config)
         # One slot past the last block takes the keys and values of the warm-up's tokens.
         self.spare_slot = self.num_blocks * self.block_size
         self.kv_caches = [
