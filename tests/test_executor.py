@@ -114,19 +114,33 @@ def test_dtype_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert list((tmp_path / "hardware").glob("cpu-*.json"))
 
 
-@pytest.mark.parametrize("rows", [1, 2, 33])
+@pytest.mark.parametrize("rows", [1, 2, 7, 33])
 @pytest.mark.parametrize("bias", [False, True])
-def test_linear_op_on_packed_weights_equals_mm(rows, bias):
-    assert gemm.onednn_available(), "the pinned torch CPU wheel ships oneDNN"
+@pytest.mark.parametrize("kernel", gemm.KERNELS)
+def test_linear_on_each_kernel_equals_mm(kernel, rows, bias):
+    assert gemm.available(torch.float32) == gemm.KERNELS, "oneDNN or the native kernels are missing here"
     gen = torch.Generator().manual_seed(rows)
-    layer = llama.Linear(48, 80, bias, torch.float32)
+    layer = llama.Linear(50, 83, bias, torch.float32)  # a column count that leaves a partial panel
     torch.nn.init.normal_(layer.weight, generator=gen)
     if bias:
         torch.nn.init.normal_(layer.bias, generator=gen)
-    x = torch.randn(rows, 48, generator=gen)
+    x = torch.randn(rows, 50, generator=gen)
     want = layer(x)
-    layer.prepack()
+    layer.prepack(kernel, kernel)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(gemm.linear(x, layer.weight, layer.bias, layer.packed), want, rtol=1e-5, atol=1e-4)
+
+
+def test_gemm_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
+    calls = []
+    real = gemm.measure
+    monkeypatch.setattr(gemm, "measure", lambda k, n, dtype: calls.append((k, n)) or real(k, n, dtype))
+    monkeypatch.setattr(gemm, "_COLD_BYTES", 1 << 20)
+    path = tmp_path / "linear.json"
+    first = gemm.choose({(64, 96), (96, 64)}, torch.float32, path)
+    assert sorted(calls) == [(64, 96), (96, 64)]
+    assert all(single in gemm.KERNELS and batch in gemm.KERNELS for single, batch in first.values())
+    assert gemm.choose({(64, 96), (96, 64)}, torch.float32, path) == first and len(calls) == 2
 
 
 def top_k_ids(logits: torch.Tensor, k: int = 5) -> list[int]:

@@ -1,11 +1,18 @@
-"""Linear layers on the GEMM that measured fastest here, for one row and for several.
+"""Linear layers on the GEMM that measured fastest here, per weight shape, for one row and for a
+batch of rows.
 
-On CPU, torch's `mm` calls MKL, which is fastest for a single row (a GEMV) but on some CPUs
-(measured: AMD EPYC without AVX-512) runs two to sixty-four rows 2x to 2.5x slower than oneDNN
-on weights prepacked for it. Each weight shape is timed both ways at start, for one row and for
-a decode batch, and the faster is kept for each; the answer is cached with the other hardware
-facts. Packed weights live in a table that the `tritone::linear` op reads through a 0-d index
-tensor, so that the op stays opaque to torch.compile and one compiled graph serves every layer.
+The candidates on CPU: torch's `mm` (MKL), oneDNN on a prepacked copy, and Tritone's own fp32
+kernel (`csrc/gemm.c`) on a copy packed in column panels, which prefetches the weights it is
+about to read. Which wins depends on the CPU: measured on a 2-core AMD EPYC (AVX2, two threads,
+weights streamed from memory), Tritone's kernel ran 1.3x oneDNN at 32 and 128 rows and 1.3x to
+2x MKL's GEMV at one row. Each weight shape is timed every way at start, on copies of the weight
+that together overflow the last-level cache (a forward pass reads each weight once, so a
+measurement on a weight already in cache would favour the wrong kernel); the answers are cached
+with the other hardware facts and logged.
+
+A layer's packed copies live in a table that the `tritone::linear` op reads through a 0-d
+index tensor, so that the op stays opaque to torch.compile and one compiled graph serves every
+layer.
 """
 
 from __future__ import annotations
@@ -15,39 +22,81 @@ import json
 import logging
 import time
 import weakref
+from dataclasses import dataclass
 
 import torch
 
+from tritone.executor import kernels
+
 logger = logging.getLogger(__name__)
 
-# Packed weights by index; the Linear layer that owns one holds it, so that it goes away with
+# Rows of the measured batch: a moderate decode batch, where serving spends its time.
+_BATCH_ROWS = 32
+# The measurement's copies of a weight span at least this much memory, beyond any CPU's L3 here.
+_COLD_BYTES = 64 << 20
+KERNELS = ("mm", "onednn", "tritone")
+
+
+@dataclass(eq=False)
+class PackedLinear:
+    """A layer's weight in the layouts its chosen kernels read, and the choice for one row and
+    for batches."""
+
+    weight: torch.Tensor  # [in, out], for torch.mm
+    single: str
+    batch: str
+    onednn: torch.Tensor | None = None
+    panels: torch.Tensor | None = None
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        kernel = self.single if x.shape[0] == 1 else self.batch
+        if kernel == "tritone":
+            return kernels.gemm_f32(x, self.panels, bias, self.weight.shape[1])
+        if kernel == "onednn":
+            return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
+        return torch.mm(x, self.weight) if bias is None else torch.addmm(bias, x, self.weight)
+
+
+# Packed layers by index; the Linear layer that owns one holds it, so that it goes away with
 # its model (engines come and go in one process: tests, restarts after a failed start).
-_packed: "weakref.WeakValueDictionary[int, torch.Tensor]" = weakref.WeakValueDictionary()
+_packed: "weakref.WeakValueDictionary[int, PackedLinear]" = weakref.WeakValueDictionary()
 _next_index = itertools.count()
-# Rows from which a GEMM counts as a batch (below: the single-row choice).
-_BATCH_ROWS = 16
 
 
-def onednn_available() -> bool:
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise")
+def available(dtype: torch.dtype) -> tuple[str, ...]:
+    """The kernels that can run `dtype` on this machine (oneDNN's prepacking is checked by
+    the measurement itself: bf16 fails on CPUs without AVX-512)."""
+    names = ["mm"]
+    if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
+        names.append("onednn")
+    if dtype == torch.float32 and kernels.native_library() is not None:
+        names.append("tritone")
+    return tuple(names)
 
 
-def pack(weight_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """A oneDNN-prepacked copy of `weight_t` ([in, out]), registered for the `tritone::linear`
-    op, and its 0-d index; the caller keeps the copy alive."""
-    packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), _BATCH_ROWS)
+def _layout(kernel: str, weight_t: torch.Tensor) -> torch.Tensor:
+    if kernel == "onednn":
+        return torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), _BATCH_ROWS)
+    if kernel == "tritone":
+        return kernels.pack_f32(weight_t)
+    return weight_t
+
+
+def pack(weight_t: torch.Tensor, single: str, batch: str) -> tuple[PackedLinear, torch.Tensor]:
+    """`weight_t` ([in, out]) made ready for `single` (one row) and `batch` kernels, registered
+    for the `tritone::linear` op, and its 0-d index; the caller keeps the first alive."""
+    layer = PackedLinear(weight_t, single, batch)
+    for kernel in {single, batch} - {"mm"}:
+        setattr(layer, "panels" if kernel == "tritone" else "onednn", _layout(kernel, weight_t))
     index = next(_next_index)
-    _packed[index] = packed
-    return packed, torch.tensor(index)
+    _packed[index] = layer
+    return layer, torch.tensor(index)
 
 
 @torch.library.custom_op("tritone::linear", mutates_args=())
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor) -> torch.Tensor:
-    """x @ weight (+ bias), weight [in, out]; `packed` indexes a prepacked copy, used for
-    batches of two or more rows."""
-    if x.shape[0] > 1:
-        return torch.ops.mkldnn._linear_pointwise(x, _packed[int(packed)], bias, "none", [], "")
-    return torch.mm(x, weight) if bias is None else torch.addmm(bias, x, weight)
+    """x @ weight (+ bias), weight [in, out], on the kernels the layer indexed by `packed` chose."""
+    return _packed[int(packed)](x, bias)
 
 
 @linear.register_fake
@@ -55,35 +104,44 @@ def _(x, weight, bias, packed):
     return x.new_empty(x.shape[0], weight.shape[1])
 
 
-def _time(fn, seconds: float = 0.03) -> float:
-    fn()
-    best, deadline = float("inf"), time.perf_counter() + seconds
-    while True:
+def _time_cold(fn, copies: list, rounds: int = 3) -> float:
+    """Seconds per call, the best of `rounds` passes over every copy."""
+    for c in copies[:2]:
+        fn(c)
+    best = float("inf")
+    for _ in range(rounds):
         t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-        if time.perf_counter() > deadline:
-            return best
+        for c in copies:
+            fn(c)
+        best = min(best, (time.perf_counter() - t0) / len(copies))
+    return best
 
 
-def measure_packed_faster(in_features: int, out_features: int, dtype: torch.dtype) -> bool:
-    """Whether oneDNN on packed weights beats torch.mm for a batch of decode rows (False where
-    oneDNN cannot pack this dtype on this CPU, such as bf16 without AVX-512)."""
+def measure(in_features: int, out_features: int, dtype: torch.dtype) -> dict[str, dict[str, float]]:
+    """Seconds per call of each available kernel at one row and at a batch of rows, on weights
+    streamed from memory; a kernel that cannot take this dtype here is left out."""
     gen = torch.Generator().manual_seed(0)
-    weight_t = torch.randn(in_features, out_features, generator=gen).to(dtype)
-    try:
-        packed = torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), _BATCH_ROWS)
-    except RuntimeError:
-        return False
-    x = torch.randn(_BATCH_ROWS * 2, in_features, generator=gen).to(dtype)
-    mkl = _time(lambda: torch.mm(x, weight_t))
-    onednn = _time(lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], ""))
-    return onednn < mkl
+    num_copies = max(1, -(-_COLD_BYTES // (in_features * out_features * dtype.itemsize)))
+    weights = [torch.randn(in_features, out_features, generator=gen).to(dtype) for _ in range(num_copies)]
+    times = {}
+    for kernel in available(dtype):
+        try:
+            copies = [PackedLinear(w, kernel, kernel) for w in weights]
+            for layer in copies:
+                setattr(layer, "panels" if kernel == "tritone" else "onednn", _layout(kernel, layer.weight))
+            times[kernel] = {}
+            for rows in (1, _BATCH_ROWS):
+                x = torch.randn(rows, in_features, generator=gen).to(dtype)
+                times[kernel][str(rows)] = _time_cold(lambda layer: layer(x, None), copies)
+        except RuntimeError:
+            times.pop(kernel, None)
+    return times
 
 
-def choose_packing(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path) -> dict[tuple[int, int], bool]:
-    """For each (in, out) shape, whether to prepack it: measured, cached in `cache_path`, logged."""
-    key = str(dtype)
+def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path) -> dict[tuple[int, int], tuple[str, str]]:
+    """For each (in, out) shape, the fastest kernel for one row and for a batch: measured,
+    cached in `cache_path`, logged."""
+    key = f"{dtype}"
     try:
         cached = json.loads(cache_path.read_text())
     except (OSError, ValueError):
@@ -93,13 +151,23 @@ def choose_packing(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path)
     for k, n in sorted(shapes):
         name = f"{k}x{n}"
         if name not in table:
-            table[name] = measure_packed_faster(k, n, dtype)
+            table[name] = measure(k, n, dtype)
             measured = True
     if measured:
         cached[key] = table
         cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache_path.write_text(json.dumps(cached))
-    choice = {(k, n): bool(table[f"{k}x{n}"]) for k, n in shapes}
-    logger.info("GEMM for batches (%s): %s", "measured" if measured else "cached",
-                ", ".join(f"{k}x{n} {'oneDNN packed' if v else 'torch.mm'}" for (k, n), v in sorted(choice.items())))
+        cache_path.write_text(json.dumps(cached, indent=1))
+    choice = {}
+    for k, n in shapes:
+        times = table[f"{k}x{n}"]
+        choice[(k, n)] = tuple(min(times, key=lambda kernel: times[kernel][rows]) for rows in ("1", str(_BATCH_ROWS)))
+    logger.info("GEMMs (%s; one row / %d rows): %s", "measured" if measured else "cached", _BATCH_ROWS,
+                ", ".join(f"{k}x{n} {single}/{batch} "
+                          f"({_gflops(k, n, 1, table[f'{k}x{n}'][single]['1'])}/"
+                          f"{_gflops(k, n, _BATCH_ROWS, table[f'{k}x{n}'][batch][str(_BATCH_ROWS)])} GFLOP/s)"
+                          for (k, n), (single, batch) in sorted(choice.items())))
     return choice
+
+
+def _gflops(k: int, n: int, rows: int, seconds: float) -> str:
+    return f"{2 * k * n * rows / seconds / 1e9:.0f}"

@@ -1,8 +1,9 @@
-"""Native CPU kernels from `csrc/`, compiled with the system C compiler at first use.
+"""Native CPU kernels from `csrc/` (paged attention, fp32 GEMM), compiled with the system C
+compiler at first use into one library.
 
 The shared library is cached under the Tritone cache directory, keyed by the source, the flags
 and the CPU's feature flags (it is built with -march=native). Where no compiler is found or the
-build fails, `native_library()` returns None and attention takes its torch path.
+build fails, `native_library()` returns None and attention and linears take their torch paths.
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCE = pathlib.Path(__file__).parent / "csrc" / "paged_attention.c"
+_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c")]
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -39,9 +40,9 @@ def _cpu_flags() -> str:
 def _build() -> ctypes.CDLL:
     from tritone.models import cache_root
 
-    source = _SOURCE.read_bytes()
+    source = b"".join(path.read_bytes() for path in _SOURCES)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
-    target = cache_root() / "kernels" / f"paged_attention-{key}.so"
+    target = cache_root() / "kernels" / f"tritone-kernels-{key}.so"
     if not target.exists():
         target.parent.mkdir(parents=True, exist_ok=True)
         compiler = os.environ.get("CC", "cc")
@@ -49,7 +50,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            subprocess.run([compiler, *_FLAGS, str(_SOURCE), "-o", tmp, "-lm"], check=True,
+            subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True,
                            capture_output=True, text=True, timeout=120)
             os.replace(tmp, target)
         finally:
@@ -59,6 +60,8 @@ def _build() -> ctypes.CDLL:
     fn = lib.paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+    lib.gemm_f32.restype = None
+    lib.gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     return lib
 
 
@@ -71,7 +74,7 @@ def native_library() -> ctypes.CDLL | None:
             _lib = _build()
         except (OSError, subprocess.SubprocessError) as exc:
             detail = getattr(exc, "stderr", "") or exc
-            logger.warning("native CPU attention unavailable, using the torch path: %s", detail)
+            logger.warning("native CPU kernels unavailable, using torch's attention and GEMMs: %s", detail)
     return _lib
 
 
@@ -94,3 +97,22 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
         raise ValueError(f"paged_attention supports head sizes that are multiples of 8 up to 256, not {head_dim}")
     if rc != 0:
         raise MemoryError("paged_attention could not allocate its scratch space")
+
+
+def pack_f32(weight_t: torch.Tensor) -> torch.Tensor:
+    """`weight_t` ([in, out] float32) in the column panels that `gemm_f32` reads: panel p holds
+    columns [16p, 16p + 16) as `in` rows of 16, zero padded."""
+    k, n = weight_t.shape
+    padded = torch.zeros(k, -(-n // 16) * 16, dtype=torch.float32)
+    padded[:, :n] = weight_t
+    return padded.view(k, -1, 16).transpose(0, 1).contiguous()
+
+
+def gemm_f32(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x @ weight (+ bias) on `pack_f32`'s panels; x [rows, in] float32."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0]:
+        native_library().gemm_f32(x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                  out.data_ptr(), x.shape[0], x.shape[1], out_features, torch.get_num_threads())
+    return out

@@ -103,25 +103,25 @@ def rope_table(hf_config, spec: LlamaSpec) -> torch.Tensor:
 
 
 class Linear(nn.Module):
-    """A linear layer whose weight is stored [in, out].
-
-    MKL's GEMM runs the small row counts of decode batches faster with the weight in this
-    layout than with nn.Linear's [out, in], and large batches as fast; inductor's freezing
-    prepacks it either way. Fused layers (QKV, gate_up) are one weight of concatenated columns.
-    """
+    """A linear layer whose weight is stored [in, out], as MKL runs the small row counts of
+    decode batches fastest; `prepack` adds the layouts of the kernels measured fastest for this
+    shape (gemm.py). Fused layers (QKV, gate_up) are one weight of concatenated columns."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(in_features, out_features, dtype=dtype), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
-        self.register_buffer("packed", None, persistent=False)  # index of a prepacked copy (gemm.py)
+        self.register_buffer("packed", None, persistent=False)  # the op's index of `packed_linear`
+        self.packed_linear: gemm.PackedLinear | None = None
 
-    def prepack(self) -> None:
-        self.packed_weight, self.packed = gemm.pack(self.weight)
+    def prepack(self, single: str, batch: str) -> None:
+        self.packed_linear, self.packed = gemm.pack(self.weight, single, batch)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None and x.shape[0] > 1:  # one row: MKL's GEMV, without the op's dispatch
-            return gemm.linear(x, self.weight, self.bias, self.packed)
+        if self.packed is not None:
+            if torch.compiler.is_compiling():  # the op keeps the kernel call opaque to the graph
+                return gemm.linear(x, self.weight, self.bias, self.packed)
+            return self.packed_linear(x, self.bias)  # eager: without the op's dispatch
         return torch.mm(x, self.weight) if self.bias is None else torch.addmm(self.bias, x, self.weight)
 
 

@@ -52,7 +52,7 @@ def build_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.dev
             model = llama.LlamaForCausalLM(spec, llama.rope_table(text_config, spec), dtype)
         load_weights(model, model_dir)
         logger.info("model definition: Tritone's Llama family (%s)", text_config.architectures[0])
-        if device.type == "cpu" and gemm.onednn_available():
+        if device.type == "cpu":
             prepack_linears(model, dtype)
         return model.eval()
     from tritone.executor.hf import HFCausalLM
@@ -62,13 +62,13 @@ def build_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.dev
 
 
 def prepack_linears(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Prepacks the weights of every linear whose shape measured faster that way."""
+    """Gives every linear the kernels that measured fastest for its shape, one row and batches."""
     linears = [m for m in model.modules() if isinstance(m, llama.Linear)]
-    shapes = {tuple(m.weight.shape) for m in linears}
-    choice = gemm.choose_packing(shapes, dtype, hardware.facts_path("gemm"))
+    choice = gemm.choose({tuple(m.weight.shape) for m in linears}, dtype, hardware.facts_path("linear"))
     for m in linears:
-        if choice[tuple(m.weight.shape)]:
-            m.prepack()
+        single, batch = choice[tuple(m.weight.shape)]
+        if (single, batch) != ("mm", "mm"):
+            m.prepack(single, batch)
 
 
 class ModelRunner:
