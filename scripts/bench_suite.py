@@ -64,7 +64,7 @@ def run_model(name: str, plan: dict, out_dir: pathlib.Path, perf_analyzer: bool)
     from transformers import AutoTokenizer
 
     from tritone.models import prepare_default_model, prepare_tiny_model
-    from tritone_client.load import PromptFactory, ServerMetrics, Workload, measure_level, tokens_per_s
+    from tritone_client.load import PromptFactory, ServerMetrics, Workload, format_breakdown, measure_level, tokens_per_s
 
     model_dir = prepare_tiny_model() if name == "tiny" else prepare_default_model()
     factory = PromptFactory(AutoTokenizer.from_pretrained(model_dir), seed=0)
@@ -90,7 +90,7 @@ def run_model(name: str, plan: dict, out_dir: pathlib.Path, perf_analyzer: bool)
                 rows.append({"model": name, "prompts": kind, "stack": stack, **stats})
                 print(f"{name} {kind} {stack} " + (f"rate {rate}/s" if rate else f"c={c}") +
                       f": {tokens_per_s(stats['output_tokens_per_s'])} tok/s, ITL p99 {1000 * stats['itl_s']['p99']:.1f} ms, "
-                      f"forward-busy {stats['forward_busy']:.2f}", flush=True)
+                      f"forward-busy {stats['forward_busy']:.2f}; {format_breakdown(stats['step_ms'])}", flush=True)
             if perf_analyzer and stack == "ensemble" and name == "tiny":
                 pa = run_perf_analyzer(url, factory, out_dir)
         finally:

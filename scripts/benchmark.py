@@ -24,7 +24,6 @@ import random
 import statistics
 import sys
 import time
-import urllib.request
 
 import aiohttp
 import numpy as np
@@ -37,6 +36,7 @@ from tritone.executor.hardware import resolve_dtype
 from tritone.launcher import Server, build_parser, free_port
 from tritone.models import resolve_model
 from tritone_client import infer_inputs
+from tritone_client.load import STEP_PHASES, ServerMetrics, format_breakdown, step_breakdown
 
 import peer_vllm
 
@@ -144,14 +144,6 @@ async def run_peer_level(server, prompts, concurrency, output_len, prompt_len):
         return await closed_loop(one, prompts, concurrency, label="vLLM ")
 
 
-def forward_seconds(metrics_url) -> float:
-    with urllib.request.urlopen(metrics_url) as r:
-        for line in r.read().decode().splitlines():
-            if line.startswith("tritone_forward_seconds_total"):
-                return float(line.rsplit(" ", 1)[1])
-    return 0.0
-
-
 def hf_baseline(model_dir, prompts_ids, batch, output_len, dtype):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     ids = torch.tensor(prompts_ids[:batch])
@@ -239,16 +231,22 @@ def run_tritone(args, model_dir, prompts, results):
     try:
         server.wait_ready()
         url = f"{server_args.host}:{server_args.grpc_port}"
-        metrics_url = f"http://{server_args.host}:{server_args.metrics_port}/metrics"
+        metrics = ServerMetrics(f"http://{server_args.host}:{server_args.metrics_port}/metrics")
         asyncio.run(run_level(url, prompts[:4], 4, 8))  # warm-up
         for c in args.concurrency:
-            f0, t0 = forward_seconds(metrics_url), time.perf_counter()
+            metrics.wait_idle()
+            before, t0 = metrics.read(), time.perf_counter()
             level = asyncio.run(run_level(url, level_requests(args, prompts, c), c, args.output_len))
-            time.sleep(1.2)  # the server reports metrics once a second
-            level["forward_busy"] = (forward_seconds(metrics_url) - f0) / (time.perf_counter() - t0 - 1.2)
+            seconds = time.perf_counter() - t0
+            metrics.wait_idle()
+            after = metrics.read()
+            level["forward_busy"] = (after["tritone_forward_seconds_total"]
+                                     - before["tritone_forward_seconds_total"]) / seconds
+            level["step_ms"] = step_breakdown(before, after)
             results["tritone"][c] = level
             print(f"Tritone, concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, "
-                  f"{level['tokens_per_response']:.2f} tokens per response", flush=True)
+                  f"{level['tokens_per_response']:.2f} tokens per response; {format_breakdown(level['step_ms'])}",
+                  flush=True)
     finally:
         server.stop()
 
@@ -297,6 +295,12 @@ def print_report(results, args):
                   f"| {1000 * r['itl_mean']:.1f} | {1000 * r['itl_p99']:.1f} | {busy} |")
     for b, r in results["hf_generate"].items():
         print(f"| HF generate, static batch {b} | {r['output_tokens_per_s']:.1f} | | | {1000 * r['itl_mean']:.1f} | | |")
+    print("\nTritone's engine steps, milliseconds per step by phase (send: the sender thread, beside the next step)")
+    print("| concurrency | steps | " + " | ".join(STEP_PHASES) + " |")
+    print("|---|---|" + "---|" * len(STEP_PHASES))
+    for c, r in results["tritone"].items():
+        if "step_ms" in r:
+            print(f"| {c} | {r['step_ms']['steps']:.0f} | " + " | ".join(f"{r['step_ms'][p]:.2f}" for p in STEP_PHASES) + " |")
     tr, peer, hf = results["tritone"], results["peer"], results["hf_generate"]
     if peer:
         print("\n| concurrency | Tritone tok/s | vLLM tok/s | Tritone/vLLM tok/s | Tritone ITL (ms) | vLLM ITL (ms) | Tritone/vLLM ITL |")

@@ -205,10 +205,10 @@ def test_a_failed_step_fails_every_request_frees_every_block_and_leaves_no_hash(
     engine = make_engine(model_dir)
     collector = Collector()
 
-    def broken_run(batch, sample_rows):
+    def broken_run(model_input):
         raise RuntimeError("injected step fault")
 
-    monkeypatch.setattr(engine.runner, "run", broken_run)
+    monkeypatch.setattr(engine.runner, "execute", broken_run)
     async_engine = start_async(engine, collector)
     long_ids = [str(i) for i in range(12, 16)]
     for rid in long_ids:
@@ -255,14 +255,14 @@ def test_a_dead_engine_thread_fails_its_requests_refuses_new_ones_and_is_reporte
     collector = Collector()
     started = threading.Event()
 
-    def broken_run(batch, sample_rows):
+    def broken_run(model_input):
         started.wait()
         raise SystemExit(3) if fault.startswith("step") else RuntimeError("injected step fault")
 
     def broken_abort(*args, **kwargs):
         raise RuntimeError("injected abort fault")
 
-    monkeypatch.setattr(engine.runner, "run", broken_run)
+    monkeypatch.setattr(engine.runner, "execute", broken_run)
     if not fault.startswith("step"):
         monkeypatch.setattr(engine, "abort_request", broken_abort)
     async_engine = start_async(engine, collector)

@@ -1,6 +1,7 @@
 """Against a real tritonserver serving the real model repository and default model."""
 
 import json
+import re
 import time
 import urllib.error
 import urllib.request
@@ -164,6 +165,8 @@ def metric_values(server):
         if line.startswith("tritone_"):
             name, value = line.rsplit(" ", 1)
             values[name.split("{")[0]] = float(value)
+            if (phase := re.search(r'phase="(\w+)"', name)) is not None:
+                values[f"phase:{phase.group(1)}"] = float(value)
     return values
 
 
@@ -177,6 +180,10 @@ def test_engine_metrics_are_served_and_the_cache_is_idle_after_requests(server, 
     assert values["tritone_num_requests_running"] == 0 and values["tritone_num_requests_waiting"] == 0
     assert values["tritone_time_to_first_token_seconds_count"] > 0
     assert "tritone_forward_busy_fraction" in values and "tritone_preemptions_total" in values
+    # Where the steps' time went, phase by phase; the forward pass is most of it.
+    phases = {p: values[f"phase:{p}"] for p in ("schedule", "prepare", "forward", "sample", "update", "send")}
+    assert values["tritone_steps_total"] >= 8 and all(v > 0 for v in phases.values())
+    assert phases["forward"] == max(phases.values())
 
 
 def test_cancelled_llm_stream_frees_its_blocks_and_others_go_on(server, grpc, tokenizer):

@@ -23,18 +23,32 @@ from tritone.scheduler import Scheduler
 logger = logging.getLogger(__name__)
 
 
+# Where a step's time goes, in order: the engine thread's phases, then the sender thread's
+# (building and sending the step's responses, which overlaps the next step).
+ENGINE_PHASES = ("schedule", "prepare", "forward", "sample", "update")
+PHASES = ENGINE_PHASES + ("send",)
+
+
 @dataclass(slots=True)
 class EngineStats:
     """Running totals, read by the metrics reporter from another thread (plain ints and floats,
     and lists it swaps out, so no lock is needed under the GIL)."""
 
     num_steps: int = 0
-    forward_seconds: float = 0.0
-    step_seconds: float = 0.0
+    # Seconds per phase (PHASES), summed over steps.
+    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
+    # The engine thread's seconds waiting for work (no request running), and out of steps
+    # otherwise (taking in requests and aborts, handing outputs to the sender).
+    idle_seconds: float = 0.0
+    loop_seconds: float = 0.0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     time_to_first_token: list[float] = field(default_factory=list)
     inter_token_latency: list[float] = field(default_factory=list)
+
+    @property
+    def forward_seconds(self) -> float:
+        return self.phase_seconds["forward"]
 
     def take_latencies(self) -> tuple[list[float], list[float]]:
         ttft, self.time_to_first_token = self.time_to_first_token, []
@@ -141,22 +155,28 @@ class LLMEngine:
         # chunks only fill the cache.
         sample_rows = [i for i, s in enumerate(batch.scheduled)
                        if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
-        f0 = time.perf_counter()
-        logits = self.runner.run(batch, sample_rows)
-        f1 = time.perf_counter()
+        t1 = time.perf_counter()
+        model_input = self.runner.prepare(batch, sample_rows)
+        t2 = time.perf_counter()
+        logits = self.runner.execute(model_input)
+        t3 = time.perf_counter()
+        sample_requests = [batch.scheduled[i].request for i in sample_rows]
+        token_ids, log_probs = self.sampler(logits, sample_requests) if sample_requests else ([], [])
+        t4 = time.perf_counter()
         for item in batch.scheduled:
             request, start = item.request, item.request.num_computed_tokens
             self.stats.num_prompt_tokens += max(0, min(start + item.num_tokens, request.num_prompt_tokens) - start)
             request.num_computed_tokens += item.num_tokens
             self.block_manager.cache_computed_blocks(request)  # its KV is written now
-        sample_requests = [batch.scheduled[i].request for i in sample_rows]
-        outputs = []
-        if sample_requests:
-            token_ids, log_probs = self.sampler(logits, sample_requests)
-            outputs = self._update(sample_requests, token_ids, log_probs)
+        outputs = self._update(sample_requests, token_ids, log_probs)
+        t5 = time.perf_counter()
         self.stats.num_steps += 1
-        self.stats.forward_seconds += f1 - f0
-        self.stats.step_seconds += time.perf_counter() - t0
+        phases = self.stats.phase_seconds
+        phases["schedule"] += t1 - t0
+        phases["prepare"] += t2 - t1
+        phases["forward"] += t3 - t2
+        phases["sample"] += t4 - t3
+        phases["update"] += t5 - t4
         return outputs
 
     def _update(self, requests: list[Request], token_ids: list[int], log_probs: list[float]) -> list[RequestOutput]:
@@ -307,6 +327,7 @@ class AsyncEngine:
 
     def _engine_iteration(self) -> bool:
         """One drain of the inbox and one step; False once asked to stop."""
+        t0 = time.perf_counter()
         try:
             if not self._drain_inbox(block=not self.engine.has_unfinished_requests()):
                 return False
@@ -316,11 +337,19 @@ class AsyncEngine:
             outputs = self._fail_all(f"engine error: {exc}")
         if outputs:
             self._outbox.put(outputs)
+        self.engine.stats.loop_seconds += time.perf_counter() - t0
         return True
 
     def _drain_inbox(self, block: bool) -> bool:
         try:
-            item = self._inbox.get(block=block)
+            if block:
+                t0 = time.perf_counter()
+                try:
+                    item = self._inbox.get()
+                finally:
+                    self.engine.stats.idle_seconds += time.perf_counter() - t0
+            else:
+                item = self._inbox.get_nowait()
             while True:
                 if item is None:
                     return False
@@ -415,8 +444,10 @@ class AsyncEngine:
                     flushed.append(more)
                     continue
                 outputs.extend(more)
+            t0 = time.perf_counter()
             for output in merge_outputs(outputs):
                 self._send(output)
+            self.engine.stats.phase_seconds["send"] += time.perf_counter() - t0
             for item in flushed:
                 item.event.set()
 

@@ -6,7 +6,7 @@ It is handed Triton's Python-backend utilities module, so this package never imp
 
 from __future__ import annotations
 
-from tritone.engine import LLMEngine
+from tritone.engine import PHASES, LLMEngine
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0, 30.0]
 
@@ -36,12 +36,22 @@ class EngineMetrics:
         self.generation_tokens = metric("tritone_generation_tokens_total", "Tokens generated", c)
         self.preemptions = metric("tritone_preemptions_total", "Requests preempted for recompute", c)
         self.forward_seconds = metric("tritone_forward_seconds_total", "Seconds in the model forward pass", c)
+        phase_family = family(name="tritone_step_phase_seconds_total", kind=c,
+                              description="Seconds of engine steps per phase: schedule, prepare (model inputs), "
+                                          "forward, sample, update (engine thread); send (sender thread)")
+        self.families.append(phase_family)
+        self.phases = {phase: phase_family.Metric(labels={**labels, "phase": phase}) for phase in PHASES}
+        self.steps = metric("tritone_steps_total", "Engine steps", c)
+        self.idle_seconds = metric("tritone_engine_idle_seconds_total",
+                                   "Seconds the engine thread waited with no request to run", c)
         self.ttft = metric("tritone_time_to_first_token_seconds", "Time from arrival to first token", h,
                            buckets=_LATENCY_BUCKETS)
         self.itl = metric("tritone_inter_token_latency_seconds", "Time between tokens of a request", h,
                           buckets=_LATENCY_BUCKETS)
         self._last = (0, 0, 0, 0.0)
         self._last_wall = None
+        self._last_phases = dict.fromkeys(PHASES, 0.0)
+        self._last_steps, self._last_idle = 0, 0.0
 
     def report(self, now: float) -> None:
         engine, stats, bm = self.engine, self.engine.stats, self.engine.block_manager
@@ -60,6 +70,17 @@ class EngineMetrics:
         if self._last_wall is not None and now > self._last_wall:
             self.forward_busy.set(min(1.0, deltas[3] / (now - self._last_wall)))
         self._last, self._last_wall = totals, now
+        phases = dict(stats.phase_seconds)
+        for phase, metric in self.phases.items():
+            if phases[phase] > self._last_phases[phase]:
+                metric.increment(phases[phase] - self._last_phases[phase])
+        self._last_phases = phases
+        steps, idle = stats.num_steps, stats.idle_seconds
+        if steps > self._last_steps:
+            self.steps.increment(steps - self._last_steps)
+        if idle > self._last_idle:
+            self.idle_seconds.increment(idle - self._last_idle)
+        self._last_steps, self._last_idle = steps, idle
         ttft, itl = stats.take_latencies()
         for value in ttft:
             self.ttft.observe(value)

@@ -16,6 +16,7 @@ import asyncio
 import json
 import math
 import random
+import re
 import sys
 import time
 import urllib.request
@@ -284,6 +285,8 @@ class ServerMetrics:
                 if line.startswith("tritone_"):
                     name, value = line.split("{")[0], float(line.rsplit(" ", 1)[1])
                     values[name] = values.get(name, 0.0) + value
+                    if (phase := re.search(r'phase="(\w+)"', line)) is not None:
+                        values[f"{name}:{phase.group(1)}"] = values.get(f"{name}:{phase.group(1)}", 0.0) + value
         return values
 
     def wait_idle(self, timeout: float = 60.0) -> None:
@@ -301,6 +304,24 @@ class ServerMetrics:
                 idle_since = None
             time.sleep(0.2)
         raise TimeoutError(f"the engine was still busy {timeout:.0f} s after the load stopped")
+
+
+STEP_PHASES = ("schedule", "prepare", "forward", "sample", "update", "send")
+
+
+def step_breakdown(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """Milliseconds per engine step in each phase between two reads of ServerMetrics (send runs
+    on the sender thread, beside the next step), and the steps counted."""
+    steps = after.get("tritone_steps_total", 0.0) - before.get("tritone_steps_total", 0.0)
+    key = "tritone_step_phase_seconds_total:"
+    out = {phase: 1000 * (after.get(key + phase, 0.0) - before.get(key + phase, 0.0)) / max(steps, 1.0)
+           for phase in STEP_PHASES}
+    out["steps"] = steps
+    return out
+
+
+def format_breakdown(breakdown: dict[str, float]) -> str:
+    return ", ".join(f"{phase} {breakdown[phase]:.2f}" for phase in STEP_PHASES) + " ms per step"
 
 
 def measure_level(url: str, model: str, workload: Workload, duration: float, warmup: float,
@@ -322,6 +343,7 @@ def measure_level(url: str, model: str, workload: Workload, duration: float, war
         after = metrics.read()
         busy = after.get("tritone_forward_seconds_total", 0.0) - before.get("tritone_forward_seconds_total", 0.0)
         stats["forward_busy"] = min(1.0, busy / load_seconds)
+        stats["step_ms"] = step_breakdown(before, after)
     return stats
 
 

@@ -147,10 +147,13 @@ class ModelRunner:
         slots = np.full(num_tokens, self.spare_slot, dtype=np.int64)
         return ids, positions, slots, tables, query_start, seq_lens, query_start[1:] - 1, 0
 
-    @torch.inference_mode()
     def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
         """Computes the scheduled tokens; returns logits [len(sample_rows), vocab] float32 at the
         last scheduled token of each request `batch.scheduled[i]` for i in sample_rows."""
+        return self.execute(self.prepare(batch, sample_rows))
+
+    def prepare(self, batch: SchedulerOutput, sample_rows: list[int]) -> tuple:
+        """The model's inputs for `run`, as arrays."""
         scheduled = batch.scheduled
         num_seqs = len(scheduled)
         starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, num_seqs)
@@ -176,8 +179,11 @@ class ModelRunner:
         positions = np.arange(num_tokens) - query_start[seq_of_token] + starts[seq_of_token]
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         logits_indices = query_start[1:][sample_rows] - 1
-        return self._forward(np.asarray(ids, dtype=np.int64), positions, slots, tables,
-                             query_start.astype(np.int32), seq_lens.astype(np.int32), logits_indices, num_decodes)
+        return (np.asarray(ids, dtype=np.int64), positions, slots, tables, query_start.astype(np.int32),
+                seq_lens.astype(np.int32), logits_indices, num_decodes)
+
+    def execute(self, model_input: tuple) -> torch.Tensor:
+        return self._forward(*model_input)
 
     @torch.inference_mode()
     def _forward(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices,
