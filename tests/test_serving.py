@@ -11,7 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tritone.request import FinishReason, RequestOutput
-from tritone.serving import Drain, Postprocessor, Preprocessor, ResponseStream, parse_llm_request, parse_messages, text_list
+from tritone.serving import (Drain, Postprocessor, Preprocessor, ResponseStream, parse_llm_request, parse_messages,
+                             ResponseState, stream_interval, text_list)
 from tritone.text import Detokenizer
 
 
@@ -96,6 +97,10 @@ def output(ids, finished=False, reason=None, n_out=0):
     return RequestOutput("r", list(ids), [-0.5] * len(ids), 3, n_out, finished, reason)
 
 
+def state(tensors) -> ResponseState:
+    return ResponseState.read(tensors["STATE"])
+
+
 def run(stream: ResponseStream, detok: Detokenizer, outputs: list[RequestOutput]):
     """Feeds engine outputs to the stream and its responses to postprocessing, as the ensemble
     does; returns the texts the client receives and the last response's tensors."""
@@ -103,7 +108,7 @@ def run(stream: ResponseStream, detok: Detokenizer, outputs: list[RequestOutput]
     for out in outputs:
         tensors = stream.on_output(out)
         if tensors is not None:
-            assert last is None or not last["IS_FINAL"][0], "a response after the final one"
+            assert last is None or not state(last).is_final, "a response after the final one"
             texts.append(post.text(lambda name: tensors.get(name)))
             last = tensors
     return texts, last
@@ -117,10 +122,35 @@ def test_streamed_responses_carry_context_and_the_final_flag(detokenizer):
     last = stream.on_output(output([], finished=True, reason=FinishReason.LENGTH, n_out=3))
     assert first["TOKEN_IDS"].tolist() == [10] and first["CONTEXT_IDS"].tolist() == []
     assert second["TOKEN_IDS"].tolist() == [11, 12] and second["CONTEXT_IDS"].tolist() == [10]
-    assert not second["IS_FINAL"][0] and second["NUM_OUTPUT_TOKENS"].tolist() == [3]
-    assert second["OUTPUT_LOG_PROBS"].tolist() == [-0.5, -0.5]
-    assert last["IS_FINAL"][0] and last["FINISH_REASON"][0] == b"length"
-    assert last["CONTEXT_IDS"].tolist() == [10, 11, 12] and last["CUM_LOG_PROBS"].tolist() == [-1.5]
+    assert not state(second).is_final and state(second).num_output_tokens == 3
+    assert second["LOG_PROBS"].tolist() == [-1.5, -0.5, -0.5]  # cumulative, then each token's
+    assert state(last).is_final and state(last).finish_reason == "length"
+    assert last["CONTEXT_IDS"].tolist() == [10, 11, 12] and last["LOG_PROBS"].tolist() == [-1.5]
+
+
+@pytest.mark.parametrize("exclude_input", [True, False])
+def test_stream_interval_sends_the_first_token_then_every_nth_and_the_same_text(detokenizer, tokenizer,
+                                                                                 exclude_input):
+    ids = tokenizer(ANSWERS[2], add_special_tokens=False).input_ids[:10]
+    outputs = [output([t], i == len(ids) - 1, FinishReason.LENGTH, i + 1) for i, t in enumerate(ids)]
+    texts = {}
+    for interval in (1, 4):
+        req = parse_llm_request(getter(input_ids=[1, 2], max_tokens=[len(ids)], stream=[True],
+                                       exclude_input_in_output=[exclude_input]))
+        stream = ResponseStream(req, detokenizer, stream_interval=interval)
+        sizes = [len(r["TOKEN_IDS"]) - (0 if exclude_input or k else 2)
+                 for k, r in enumerate(filter(None, map(stream.on_output, outputs)))]
+        texts[interval], last = run(ResponseStream(req, detokenizer, stream_interval=interval), detokenizer, outputs)
+        assert sizes == ([1] * 10 if interval == 1 else [1, 4, 4, 1])
+        assert state(last).num_output_tokens == 10 and len(last["LOG_PROBS"]) == 1 + sizes[-1]
+    assert "".join(texts[4]) == "".join(texts[1])
+
+
+def test_stream_interval_parameter_is_checked():
+    assert stream_interval({}) == 1 and stream_interval({"stream_interval": "${stream_interval}"}) == 1
+    assert stream_interval({"stream_interval": "4"}) == 4
+    with pytest.raises(ValueError, match="stream_interval"):
+        stream_interval({"stream_interval": "0"})
 
 
 def test_non_streamed_request_gets_one_response_with_everything(detokenizer):
@@ -129,8 +159,8 @@ def test_non_streamed_request_gets_one_response_with_everything(detokenizer):
     assert stream.on_output(output([10], n_out=1)) is None
     final = stream.on_output(output([11], finished=True, reason=FinishReason.LENGTH, n_out=2))
     assert final["TOKEN_IDS"].tolist() == [1, 2, 3, 10, 11]
-    assert final["NUM_OUTPUT_TOKENS"].tolist() == [2] and final["NUM_INPUT_TOKENS"].tolist() == [3]
-    assert final["OUTPUT_LOG_PROBS"].tolist() == [-0.5, -0.5]
+    assert state(final).num_output_tokens == 2 and state(final).num_input_tokens == 3
+    assert final["LOG_PROBS"].tolist() == [-1.0, -0.5, -0.5]
 
 
 ANSWERS = ["The capital of France is Paris. It is known as the city of light.",
@@ -140,8 +170,8 @@ ANSWERS = ["The capital of France is Paris. It is known as the city of light.",
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(answer=st.sampled_from(ANSWERS), data=st.data(), stream=st.booleans(),
-       steps=st.lists(st.integers(1, 4), max_size=80))
-def test_a_stop_word_ends_the_answer_right_before_it(detokenizer, tokenizer, answer, data, stream, steps):
+       steps=st.lists(st.integers(1, 4), max_size=80), interval=st.integers(1, 5))
+def test_a_stop_word_ends_the_answer_right_before_it(detokenizer, tokenizer, answer, data, stream, steps, interval):
     ids = tokenizer(answer, add_special_tokens=False).input_ids
     full = tokenizer.decode(ids)
     start = data.draw(st.integers(0, len(full) - 1))
@@ -153,18 +183,18 @@ def test_a_stop_word_ends_the_answer_right_before_it(detokenizer, tokenizer, ans
         n = min(len(ids) - sent, next(sizes, 1))
         outputs.append(output(ids[sent:sent + n], sent + n == len(ids), FinishReason.LENGTH, sent + n))
         sent += n
-    stream_ = ResponseStream(req, detokenizer)
+    stream_ = ResponseStream(req, detokenizer, stream_interval=interval)
     texts, last = run(stream_, detokenizer, outputs)
     expected = full[:full.find(word)]
     assert "".join(texts) == expected
     # Streamed text never shows a start of the stop word that is taken back later.
     for k in range(len(texts)):
         assert expected.startswith("".join(texts[:k + 1]))
-    assert last["IS_FINAL"][0] and last["FINISH_REASON"][0] == b"stop"
+    assert state(last).is_final and state(last).finish_reason == "stop"
     # Counted up to and including the token where the stop word starts (its first character completes).
-    n_out = last["NUM_OUTPUT_TOKENS"][0]
+    n_out = state(last).num_output_tokens
     assert len(detokenizer.final_text(ids[:n_out - 1])) <= full.find(word) < len(detokenizer.final_text(ids[:n_out]))
-    assert len(last["OUTPUT_LOG_PROBS"]) == (n_out if not stream else len(last["TOKEN_IDS"]))
+    assert len(last["LOG_PROBS"]) == 1 + (n_out if not stream else len(last["TOKEN_IDS"]))
     assert stream_.on_output(output(ids[:1], n_out=len(ids) + 1)) is None
 
 
@@ -176,7 +206,7 @@ def test_a_started_stop_word_that_never_completes_is_released_at_the_end(detoken
     texts, last = run(ResponseStream(req, detokenizer), detokenizer, outputs)
     assert "".join(texts) == tokenizer.decode(ids)
     assert "Paris" in texts[-1]  # held back while it could still become "Paris!"
-    assert last["FINISH_REASON"][0] == b"length" and last["NUM_OUTPUT_TOKENS"][0] == len(ids)
+    assert state(last).finish_reason == "length" and state(last).num_output_tokens == len(ids)
 
 
 def test_stop_words_are_not_looked_for_in_an_echoed_prompt(detokenizer, tokenizer):
@@ -187,7 +217,7 @@ def test_stop_words_are_not_looked_for_in_an_echoed_prompt(detokenizer, tokenize
     outputs = [output([t], False) for t in answer]
     texts, last = run(ResponseStream(req, detokenizer), detokenizer, outputs)
     assert "".join(texts) == "Say Paris twice: "
-    assert last["NUM_OUTPUT_TOKENS"][0] == 1 and last["FINISH_REASON"][0] == b"stop"
+    assert state(last).num_output_tokens == 1 and state(last).finish_reason == "stop"
 
 
 def test_drain_reports_the_engine_idle_only_once_asked_and_after_a_quiet_period(tmp_path):

@@ -13,7 +13,7 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 
@@ -160,6 +160,30 @@ def _word_ids(get: Getter, name: str) -> list[list[int]]:
     return [] if array is None else from_word_list_tensor(array)
 
 
+# An llm response's scalars, packed into one int64 tensor `STATE` in this order, and its log
+# probabilities into one float32 tensor `LOG_PROBS` (the cumulative one first): every tensor is
+# work for the Python backend, tritonserver and postprocessing, once per response.
+STATE_FIELDS = ("is_final", "skip_special_tokens", "num_dropped_chars", "num_input_tokens", "num_output_tokens",
+                "finish_reason", "request_key")
+# FINISH_REASON codes in STATE: 0 while the request runs.
+FINISH_REASONS = ("",) + tuple(reason.value for reason in FinishReason)
+
+
+class ResponseState(NamedTuple):
+    is_final: bool
+    skip_special_tokens: bool
+    num_dropped_chars: int
+    num_input_tokens: int
+    num_output_tokens: int
+    finish_reason: str
+    request_key: int
+
+    @classmethod
+    def read(cls, state: np.ndarray) -> "ResponseState":
+        v = state.reshape(-1).tolist()
+        return cls(bool(v[0]), bool(v[1]), v[2], v[3], v[4], FINISH_REASONS[v[5]], v[6])
+
+
 @dataclass(slots=True)
 class ResponseStream:
     """One request's output side in the `llm` model: turns engine outputs into responses.
@@ -172,6 +196,11 @@ class ResponseStream:
 
     request: LLMRequest
     detokenizer: Detokenizer
+    # A streamed response carries at least this many new tokens, except the first and the final
+    # one: fewer responses, each with more text (vLLM's --stream-interval).
+    stream_interval: int = 1
+    # The engine's key of the request, which postprocessing hands back to abort it.
+    key: int = 0
     # Ids the client sees: the prompt first when it asked for it, then the generated ids.
     ids: list[int] = field(default_factory=list)
     num_prompt_ids: int = 0
@@ -204,7 +233,8 @@ class ResponseStream:
             elif not output.finished:
                 end = self.stop.num_safe_ids()
         final = output.finished or reason == FinishReason.STOP
-        if not final and (not self.request.stream or end == self.num_sent):
+        if not final and (not self.request.stream or end == self.num_sent
+                          or (self.num_sent > self.num_prompt_ids and end - self.num_sent < self.stream_interval)):
             return None
         return self._response(end, final, reason, num_dropped)
 
@@ -215,18 +245,14 @@ class ResponseStream:
         new_ids = self.ids[self.num_sent:end]
         first, last = max(0, self.num_sent - self.num_prompt_ids), end - self.num_prompt_ids
         self.num_sent, self.is_finished = end, final
+        # num_output_tokens: generated tokens sent so far; after a stop word, up to the one where it starts.
+        state = (final, skip, num_dropped, len(self.request.prompt_ids), last,
+                 FINISH_REASONS.index(reason.value) if final and reason else 0, self.key)
         return {
             "TOKEN_IDS": np.array(new_ids, dtype=np.int32),
             "CONTEXT_IDS": np.array(context, dtype=np.int32),
-            "IS_FINAL": np.array([final]),
-            "SKIP_SPECIAL_TOKENS": np.array([skip]),
-            "NUM_DROPPED_CHARS": np.array([num_dropped], dtype=np.int32),
-            "NUM_INPUT_TOKENS": np.array([len(self.request.prompt_ids)], dtype=np.int32),
-            # Generated tokens sent so far: after a stop word, up to the one where it starts.
-            "NUM_OUTPUT_TOKENS": np.array([last], dtype=np.int32),
-            "CUM_LOG_PROBS": np.array([sum(self.log_probs[:last])], dtype=np.float32),
-            "OUTPUT_LOG_PROBS": np.array(self.log_probs[first:last], dtype=np.float32),
-            "FINISH_REASON": np.array([(reason.value if final and reason else "").encode()], dtype=np.object_),
+            "STATE": np.array(state, dtype=np.int64),
+            "LOG_PROBS": np.array([sum(self.log_probs[:last])] + self.log_probs[first:last], dtype=np.float32),
         }
 
 
@@ -244,6 +270,15 @@ def model_parameters(model_config: dict) -> dict[str, str]:
 def is_set(value: str | None) -> bool:
     """An unfilled `${template}` or empty parameter counts as unset."""
     return bool(value) and not value.startswith("${")
+
+
+def stream_interval(params: dict[str, str]) -> int:
+    """The `stream_interval` parameter: tokens per streamed response (default 1)."""
+    raw = params.get("stream_interval")
+    value = int(raw) if is_set(raw) else 1
+    if value < 1:
+        raise ValueError(f"stream_interval must be at least 1, got {value}")
+    return value
 
 
 class Preprocessor:
@@ -311,8 +346,6 @@ def _model_context(model_dir: str) -> int:
 class Postprocessor:
     """The `postprocessing` model's work: text deltas for a batch of llm responses."""
 
-    PASS_THROUGH = ("NUM_INPUT_TOKENS", "NUM_OUTPUT_TOKENS", "CUM_LOG_PROBS", "OUTPUT_LOG_PROBS", "FINISH_REASON")
-
     def __init__(self, detokenizer: Detokenizer):
         self.detokenizer = detokenizer
 
@@ -325,22 +358,24 @@ class Postprocessor:
     def __call__(self, getters: list[Getter]) -> list[dict[str, np.ndarray]]:
         results = []
         for get in getters:
-            out = {"TEXT_OUTPUT": np.array([self.text(get).encode("utf-8")], dtype=np.object_)}
-            for name in self.PASS_THROUGH:
-                out["OUT_" + name] = get(name).reshape(-1)
-            results.append(out)
+            state = ResponseState.read(get("STATE"))
+            log_probs = get("LOG_PROBS").reshape(-1)
+            results.append({
+                "TEXT_OUTPUT": np.array([self.text(get, state).encode("utf-8")], dtype=np.object_),
+                "OUT_NUM_INPUT_TOKENS": np.array([state.num_input_tokens], dtype=np.int32),
+                "OUT_NUM_OUTPUT_TOKENS": np.array([state.num_output_tokens], dtype=np.int32),
+                "OUT_CUM_LOG_PROBS": log_probs[:1],
+                "OUT_OUTPUT_LOG_PROBS": log_probs[1:],
+                "OUT_FINISH_REASON": np.array([state.finish_reason.encode()], dtype=np.object_),
+            })
         return results
 
-    def text(self, get: Getter) -> str:
-        text = self.detokenizer.delta(
-            get("CONTEXT_IDS").reshape(-1).tolist(),
-            get("TOKEN_IDS").reshape(-1).tolist(),
-            is_final=bool(scalar(get, "IS_FINAL")),
-            skip_special_tokens=bool(scalar(get, "SKIP_SPECIAL_TOKENS", True)),
-        )
+    def text(self, get: Getter, state: ResponseState | None = None) -> str:
+        state = state or ResponseState.read(get("STATE"))
+        text = self.detokenizer.delta(get("CONTEXT_IDS").reshape(-1).tolist(), get("TOKEN_IDS").reshape(-1).tolist(),
+                                      is_final=state.is_final, skip_special_tokens=state.skip_special_tokens)
         # A stop word begins inside this chunk's text: it ends right before it.
-        num_dropped = int(scalar(get, "NUM_DROPPED_CHARS", 0))
-        return text[:max(0, len(text) - num_dropped)]
+        return text[:max(0, len(text) - state.num_dropped_chars)]
 
 
 def triton_getter(pb_utils, request) -> Getter:

@@ -21,7 +21,7 @@ from tritone.metrics import EngineMetrics
 from tritone.request import FinishReason
 from tritone.serving import (
     Drain, ResponseStream, abort_target, end_process, error_message, exit_when_orphaned, model_parameters,
-    parse_llm_request, triton_getter)
+    parse_llm_request, stream_interval, triton_getter)
 from tritone.text import Detokenizer, load_tokenizer
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -37,6 +37,7 @@ class TritonPythonModel:
         logging.basicConfig(level=logging.INFO, format="[tritone] %(name)s: %(message)s")
         params = model_parameters(json.loads(args["model_config"]))
         config = EngineConfig.from_parameters(params["model_dir"], params)
+        self.stream_interval = stream_interval(params)
         self.streams = {}
         # Triton frees a request's response factory once its final response is sent, and asking
         # a freed one whether it was cancelled crashes the server: the two never overlap.
@@ -67,7 +68,8 @@ class TritonPythonModel:
             try:
                 parsed = parse_llm_request(get)
                 # The Triton request id: an ensemble's steps carry the ensemble request's.
-                self.streams[request_id] = (ResponseStream(parsed, self.detokenizer), sender, request.request_id())
+                stream = ResponseStream(parsed, self.detokenizer, self.stream_interval, key=int(request_id))
+                self.streams[request_id] = (stream, sender, request.request_id())
                 self.engine.submit(request_id, parsed.prompt_ids, parsed.params)
             except (ValueError, RuntimeError) as exc:
                 with self.final_lock:
@@ -87,7 +89,6 @@ class TritonPythonModel:
             tensors = stream.on_output(output)
             if tensors is None:
                 return
-            tensors["REQUEST_KEY"] = np.array([int(output.request_id)], dtype=np.uint64)
             response = pb_utils.InferenceResponse([pb_utils.Tensor(n, a[None]) for n, a in tensors.items()])
             if stream.is_finished and not output.finished:
                 self.engine.abort(output.request_id, FinishReason.STOP)

@@ -21,7 +21,7 @@ from tritone.metrics import EngineMetrics
 from tritone.request import FinishReason
 from tritone.serving import (
     SHUTTING_DOWN, Drain, ResponseStream, end_process, error_message, exit_when_orphaned, model_parameters,
-    triton_getter)
+    stream_interval, triton_getter)
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 _CANCEL_POLL_SECONDS = 0.02
@@ -34,6 +34,7 @@ class TritonPythonModel:
         logging.basicConfig(level=logging.INFO, format="[tritone] %(name)s: %(message)s")
         params = model_parameters(json.loads(args["model_config"]))
         self.text = InlineText(params)
+        self.stream_interval = stream_interval(params)
         self.streams = {}
         # As in `llm`: a final response and an is_cancelled() call on its factory never overlap.
         self.final_lock = threading.Lock()
@@ -62,7 +63,8 @@ class TritonPythonModel:
             try:
                 if isinstance(llm_request, Exception):
                     raise llm_request
-                self.streams[request_id] = (ResponseStream(llm_request, self.text.detokenizer), sender)
+                stream = ResponseStream(llm_request, self.text.detokenizer, self.stream_interval)
+                self.streams[request_id] = (stream, sender)
                 self.engine.submit(request_id, llm_request.prompt_ids, llm_request.params)
             except (ValueError, RuntimeError) as exc:
                 with self.final_lock:

@@ -7,9 +7,10 @@ try:  # the launcher puts this beside the Python backend: it adds the environmen
 except ImportError:  # NVIDIA's container, where the package is installed system-wide
     pass
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritone.serving import Postprocessor, model_parameters, triton_getter
+from tritone.serving import Postprocessor, ResponseState, model_parameters, triton_getter
 
 
 class TritonPythonModel:
@@ -32,9 +33,9 @@ class TritonPythonModel:
         ]
 
     def _abort_in_engine(self, request):
-        key = pb_utils.get_input_tensor_by_name(request, "REQUEST_KEY")
-        abort = pb_utils.InferenceRequest(model_name="llm", inputs=[pb_utils.Tensor("ABORT_KEY", key.as_numpy())],
-                                          requested_output_names=[])
+        key = ResponseState.read(pb_utils.get_input_tensor_by_name(request, "STATE").as_numpy()).request_key
+        abort = pb_utils.InferenceRequest(model_name="llm", requested_output_names=[],
+                                          inputs=[pb_utils.Tensor("ABORT_KEY", np.array([[key]], dtype=np.uint64))])
         for response in abort.exec(decoupled=True):  # one empty final response
             if response.has_error():
-                pb_utils.Logger.log_error(f"abort of engine request {key.as_numpy()} failed: {response.error().message()}")
+                pb_utils.Logger.log_error(f"abort of engine request {key} failed: {response.error().message()}")
