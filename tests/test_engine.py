@@ -229,6 +229,31 @@ def test_a_failed_step_fails_every_request_frees_every_block_and_leaves_no_hash(
     assert async_engine.dead is None and not collector.fatal
 
 
+def test_launch_builds_the_engine_on_its_own_thread_and_raises_what_building_raised(model_dir, prompt_ids,
+                                                                                      expected):
+    from tritone.engine import AsyncEngine
+
+    built_on = []
+
+    def build():
+        built_on.append(threading.current_thread())
+        return make_engine(model_dir)
+
+    collector = Collector()
+    async_engine = AsyncEngine.launch(build, collector)
+    assert built_on == [async_engine._engine_thread]
+    async_engine.submit("a", prompt_ids[0], SamplingParams(max_tokens=MAX_TOKENS))
+    collector.wait_final("a")
+    async_engine.stop()
+    assert collector.tokens("a") == expected[0]
+
+    def broken():
+        raise ValueError("no such model")
+
+    with pytest.raises(ValueError, match="no such model"):
+        AsyncEngine.launch(broken, collector)
+
+
 def test_a_send_that_raises_still_ends_the_request_with_one_final_error(model_dir, prompt_ids, expected):
     # "mid" fails on its first (not final) output, "last" on its final one; "other" is unharmed.
     engine = make_engine(model_dir)

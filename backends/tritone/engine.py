@@ -283,6 +283,40 @@ class AsyncEngine:
         self._engine_thread.start()
         self._sender_thread.start()
 
+    @classmethod
+    def launch(cls, build: Callable[[], LLMEngine], on_output: Callable[[RequestOutput], None],
+               on_fatal: Callable[[str], None] = lambda message: None) -> "AsyncEngine":
+        """Builds the engine with `build()` on the thread that then runs it, and starts it;
+        raises what `build` raised.
+
+        OpenMP keeps a team of worker threads for each thread that runs parallel work. Loading
+        and warming up the model on the caller's thread and stepping it on another would leave
+        two teams, more OpenMP threads than cores, and libgomp then parks its workers after
+        almost every parallel region instead of letting them spin."""
+        async_engine = cls(None, on_output, on_fatal)  # its engine comes from `build`, on the engine thread
+        failure: list[BaseException] = []
+        ready = threading.Event()
+
+        def run():
+            try:
+                async_engine.engine = build()
+            except BaseException as exc:
+                failure.append(exc)
+                return
+            finally:
+                ready.set()
+            async_engine._engine_loop()
+
+        async_engine._engine_thread = threading.Thread(target=run, name="tritone-engine", daemon=True)
+        async_engine._engine_thread.start()
+        ready.wait()
+        if failure:
+            raise failure[0]
+        async_engine._sender_thread = threading.Thread(target=async_engine._sender_loop, name="tritone-sender",
+                                                       daemon=True)
+        async_engine._sender_thread.start()
+        return async_engine
+
     @property
     def num_steps(self) -> int:
         return self.engine.stats.num_steps

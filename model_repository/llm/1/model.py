@@ -43,12 +43,10 @@ class TritonPythonModel:
         # a freed one whether it was cancelled crashes the server: the two never overlap.
         self.final_lock = threading.Lock()
         self.ids = itertools.count()
-        engine = LLMEngine(config)
         # Decodes for stop words, and finds where each chunk's decoding context starts.
         self.detokenizer = Detokenizer(load_tokenizer(params["model_dir"]))
-        self.metrics = EngineMetrics(pb_utils, engine)
-        self.engine = AsyncEngine(engine, self._send, on_fatal=end_process)
-        self.engine.start()
+        self.engine = AsyncEngine.launch(lambda: LLMEngine(config), self._send, on_fatal=end_process)
+        self.metrics = EngineMetrics(pb_utils, self.engine.engine)
         self.stopping = threading.Event()
         exit_when_orphaned()
         threading.Thread(target=self._watch_cancellations, daemon=True).start()

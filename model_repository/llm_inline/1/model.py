@@ -39,10 +39,9 @@ class TritonPythonModel:
         # As in `llm`: a final response and an is_cancelled() call on its factory never overlap.
         self.final_lock = threading.Lock()
         self.ids = itertools.count()
-        engine = LLMEngine(EngineConfig.from_parameters(params["model_dir"], params))
-        self.metrics = EngineMetrics(pb_utils, engine, "llm_inline")
-        self.engine = AsyncEngine(engine, self._send, on_fatal=end_process)
-        self.engine.start()
+        config = EngineConfig.from_parameters(params["model_dir"], params)
+        self.engine = AsyncEngine.launch(lambda: LLMEngine(config), self._send, on_fatal=end_process)
+        self.metrics = EngineMetrics(pb_utils, self.engine.engine, "llm_inline")
         self.stopping = threading.Event()
         exit_when_orphaned()
         threading.Thread(target=self._watch_cancellations, daemon=True).start()
