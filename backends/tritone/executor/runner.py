@@ -1,8 +1,9 @@
 """Runs the model over a packed batch with the engine's paged KV cache.
 
-`ModelRunner.run(batch, sample_rows)` turns the scheduler's output into flat token ids,
-positions, a block table and a slot mapping (array work, one loop over the batch's requests),
-sets the attention metadata, and returns logits only at the rows that are sampled.
+`ModelRunner.prepare(batch, sample_rows)` turns the scheduler's output into flat token ids,
+positions, a block table and a slot mapping (array work, one loop over the batch's requests);
+`execute` sets the attention metadata, runs the model and returns logits only at the rows that
+are sampled. The engine times the two apart.
 """
 
 from __future__ import annotations
@@ -147,13 +148,8 @@ class ModelRunner:
         slots = np.full(num_tokens, self.spare_slot, dtype=np.int64)
         return ids, positions, slots, tables, query_start, seq_lens, query_start[1:] - 1, 0
 
-    def run(self, batch: SchedulerOutput, sample_rows: list[int]) -> torch.Tensor:
-        """Computes the scheduled tokens; returns logits [len(sample_rows), vocab] float32 at the
-        last scheduled token of each request `batch.scheduled[i]` for i in sample_rows."""
-        return self.execute(self.prepare(batch, sample_rows))
-
     def prepare(self, batch: SchedulerOutput, sample_rows: list[int]) -> tuple:
-        """The model's inputs for `run`, as arrays."""
+        """The model's inputs for the scheduled tokens, as arrays, for `execute`."""
         scheduled = batch.scheduled
         num_seqs = len(scheduled)
         starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, num_seqs)
@@ -183,6 +179,8 @@ class ModelRunner:
                 seq_lens.astype(np.int32), logits_indices, num_decodes)
 
     def execute(self, model_input: tuple) -> torch.Tensor:
+        """Computes the scheduled tokens; returns logits [len(sample_rows), vocab] float32 at the
+        last scheduled token of each request `batch.scheduled[i]` for i in sample_rows."""
         return self._forward(*model_input)
 
     @torch.inference_mode()
