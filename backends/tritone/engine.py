@@ -25,8 +25,7 @@ logger = logging.getLogger(__name__)
 
 # Where a step's time goes, in order: the engine thread's phases, then the sender thread's
 # (building and sending the step's responses, which overlaps the next step).
-ENGINE_PHASES = ("schedule", "prepare", "forward", "sample", "update")
-PHASES = ENGINE_PHASES + ("send",)
+PHASES = ("schedule", "prepare", "forward", "sample", "update", "send")
 
 
 @dataclass(slots=True)
@@ -37,10 +36,8 @@ class EngineStats:
     num_steps: int = 0
     # Seconds per phase (PHASES), summed over steps.
     phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    # The engine thread's seconds waiting for work (no request running), and out of steps
-    # otherwise (taking in requests and aborts, handing outputs to the sender).
+    # The engine thread's seconds waiting for work (no request running).
     idle_seconds: float = 0.0
-    loop_seconds: float = 0.0
     num_prompt_tokens: int = 0
     num_generation_tokens: int = 0
     time_to_first_token: list[float] = field(default_factory=list)
@@ -361,7 +358,6 @@ class AsyncEngine:
 
     def _engine_iteration(self) -> bool:
         """One drain of the inbox and one step; False once asked to stop."""
-        t0 = time.perf_counter()
         try:
             if not self._drain_inbox(block=not self.engine.has_unfinished_requests()):
                 return False
@@ -371,7 +367,6 @@ class AsyncEngine:
             outputs = self._fail_all(f"engine error: {exc}")
         if outputs:
             self._outbox.put(outputs)
-        self.engine.stats.loop_seconds += time.perf_counter() - t0
         return True
 
     def _drain_inbox(self, block: bool) -> bool:

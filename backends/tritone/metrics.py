@@ -48,10 +48,9 @@ class EngineMetrics:
                            buckets=_LATENCY_BUCKETS)
         self.itl = metric("tritone_inter_token_latency_seconds", "Time between tokens of a request", h,
                           buckets=_LATENCY_BUCKETS)
-        self._last = (0, 0, 0, 0.0)
+        # Counters are reported as increments of the engine's running totals since the last report.
+        self._last: list[float] | None = None
         self._last_wall = None
-        self._last_phases = dict.fromkeys(PHASES, 0.0)
-        self._last_steps, self._last_idle = 0, 0.0
 
     def report(self, now: float) -> None:
         engine, stats, bm = self.engine, self.engine.stats, self.engine.block_manager
@@ -60,27 +59,18 @@ class EngineMetrics:
         self.blocks_used.set(bm.num_used_blocks)
         self.blocks_free.set(bm.num_free_blocks)
         self.prefix_hit_rate.set(bm.prefix_stats.hit_rate)
-        totals = (stats.num_prompt_tokens, stats.num_generation_tokens, engine.scheduler.num_preemptions,
-                  stats.forward_seconds)
-        deltas = [now_ - last for now_, last in zip(totals, self._last)]
-        for metric, delta in zip((self.prompt_tokens, self.generation_tokens, self.preemptions,
-                                  self.forward_seconds), deltas):
-            if delta:
+        counters = [(self.prompt_tokens, stats.num_prompt_tokens), (self.generation_tokens, stats.num_generation_tokens),
+                    (self.preemptions, engine.scheduler.num_preemptions), (self.forward_seconds, stats.forward_seconds),
+                    (self.steps, stats.num_steps), (self.idle_seconds, stats.idle_seconds)]
+        counters += [(self.phases[phase], stats.phase_seconds[phase]) for phase in PHASES]
+        totals = [total for _, total in counters]
+        deltas = [total - last for total, last in zip(totals, self._last or [0] * len(totals))]
+        for (metric, _), delta in zip(counters, deltas):
+            if delta > 0:
                 metric.increment(delta)
         if self._last_wall is not None and now > self._last_wall:
             self.forward_busy.set(min(1.0, deltas[3] / (now - self._last_wall)))
         self._last, self._last_wall = totals, now
-        phases = dict(stats.phase_seconds)
-        for phase, metric in self.phases.items():
-            if phases[phase] > self._last_phases[phase]:
-                metric.increment(phases[phase] - self._last_phases[phase])
-        self._last_phases = phases
-        steps, idle = stats.num_steps, stats.idle_seconds
-        if steps > self._last_steps:
-            self.steps.increment(steps - self._last_steps)
-        if idle > self._last_idle:
-            self.idle_seconds.increment(idle - self._last_idle)
-        self._last_steps, self._last_idle = steps, idle
         ttft, itl = stats.take_latencies()
         for value in ttft:
             self.ttft.observe(value)

@@ -160,16 +160,15 @@ def _word_ids(get: Getter, name: str) -> list[list[int]]:
     return [] if array is None else from_word_list_tensor(array)
 
 
-# An llm response's scalars, packed into one int64 tensor `STATE` in this order, and its log
-# probabilities into one float32 tensor `LOG_PROBS` (the cumulative one first): every tensor is
-# work for the Python backend, tritonserver and postprocessing, once per response.
-STATE_FIELDS = ("is_final", "skip_special_tokens", "num_dropped_chars", "num_input_tokens", "num_output_tokens",
-                "finish_reason", "request_key")
-# FINISH_REASON codes in STATE: 0 while the request runs.
+# finish_reason codes in STATE: 0 while the request runs.
 FINISH_REASONS = ("",) + tuple(reason.value for reason in FinishReason)
 
 
 class ResponseState(NamedTuple):
+    """An llm response's scalars, packed into one int64 tensor `STATE` in this order (its log
+    probabilities go into one float32 tensor `LOG_PROBS`, the cumulative one first): every tensor
+    is work for the Python backend, tritonserver and postprocessing, once per response."""
+
     is_final: bool
     skip_special_tokens: bool
     num_dropped_chars: int
@@ -182,6 +181,9 @@ class ResponseState(NamedTuple):
     def read(cls, state: np.ndarray) -> "ResponseState":
         v = state.reshape(-1).tolist()
         return cls(bool(v[0]), bool(v[1]), v[2], v[3], v[4], FINISH_REASONS[v[5]], v[6])
+
+    def tensor(self) -> np.ndarray:
+        return np.array(self._replace(finish_reason=FINISH_REASONS.index(self.finish_reason)), dtype=np.int64)
 
 
 @dataclass(slots=True)
@@ -246,12 +248,12 @@ class ResponseStream:
         first, last = max(0, self.num_sent - self.num_prompt_ids), end - self.num_prompt_ids
         self.num_sent, self.is_finished = end, final
         # num_output_tokens: generated tokens sent so far; after a stop word, up to the one where it starts.
-        state = (final, skip, num_dropped, len(self.request.prompt_ids), last,
-                 FINISH_REASONS.index(reason.value) if final and reason else 0, self.key)
+        state = ResponseState(final, skip, num_dropped, len(self.request.prompt_ids), last,
+                              reason.value if final and reason else "", self.key)
         return {
             "TOKEN_IDS": np.array(new_ids, dtype=np.int32),
             "CONTEXT_IDS": np.array(context, dtype=np.int32),
-            "STATE": np.array(state, dtype=np.int64),
+            "STATE": state.tensor(),
             "LOG_PROBS": np.array([sum(self.log_probs[:last])] + self.log_probs[first:last], dtype=np.float32),
         }
 

@@ -22,7 +22,7 @@ import json
 import logging
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -45,8 +45,15 @@ class PackedLinear:
     weight: torch.Tensor  # [in, out], for torch.mm
     single: str
     batch: str
-    onednn: torch.Tensor | None = None
-    panels: torch.Tensor | None = None
+    onednn: torch.Tensor | None = field(default=None, init=False)
+    panels: torch.Tensor | None = field(default=None, init=False)
+
+    def __post_init__(self):
+        kernels_used = {self.single, self.batch}
+        if "onednn" in kernels_used:
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous(), _BATCH_ROWS)
+        if "tritone" in kernels_used:
+            self.panels = kernels.pack_f32(self.weight)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernel = self.single if x.shape[0] == 1 else self.batch
@@ -74,20 +81,10 @@ def available(dtype: torch.dtype) -> tuple[str, ...]:
     return tuple(names)
 
 
-def _layout(kernel: str, weight_t: torch.Tensor) -> torch.Tensor:
-    if kernel == "onednn":
-        return torch.ops.mkldnn._reorder_linear_weight(weight_t.t().contiguous(), _BATCH_ROWS)
-    if kernel == "tritone":
-        return kernels.pack_f32(weight_t)
-    return weight_t
-
-
 def pack(weight_t: torch.Tensor, single: str, batch: str) -> tuple[PackedLinear, torch.Tensor]:
     """`weight_t` ([in, out]) made ready for `single` (one row) and `batch` kernels, registered
     for the `tritone::linear` op, and its 0-d index; the caller keeps the first alive."""
     layer = PackedLinear(weight_t, single, batch)
-    for kernel in {single, batch} - {"mm"}:
-        setattr(layer, "panels" if kernel == "tritone" else "onednn", _layout(kernel, weight_t))
     index = next(_next_index)
     _packed[index] = layer
     return layer, torch.tensor(index)
@@ -127,8 +124,6 @@ def measure(in_features: int, out_features: int, dtype: torch.dtype) -> dict[str
     for kernel in available(dtype):
         try:
             copies = [PackedLinear(w, kernel, kernel) for w in weights]
-            for layer in copies:
-                setattr(layer, "panels" if kernel == "tritone" else "onednn", _layout(kernel, layer.weight))
             times[kernel] = {}
             for rows in (1, _BATCH_ROWS):
                 x = torch.randn(rows, in_features, generator=gen).to(dtype)
