@@ -4,8 +4,8 @@
  * the GEMMs of serving wait on memory far more than on arithmetic. Measured on a 2-core AMD
  * EPYC (AVX2): oneDNN on prepacked weights reached 87 GFLOP/s per core on a weight already in
  * cache at 32 rows but 55 on one streamed from memory, and MKL's single-row GEMV about half the
- * memory bandwidth. Here each thread walks its own contiguous run of panels and, while it works
- * on one, prefetches the next, so streaming overlaps the arithmetic.
+ * memory bandwidth. Here each thread, while it works on one panel, prefetches the next it will
+ * take, so streaming overlaps the arithmetic.
  *
  * Layout: panel p holds columns [16p, 16p + 16) as K rows of 16 floats (zero padded past N),
  * one 64-byte cache line per k. A 6 x 16 tile keeps twelve 8-float accumulators in registers
@@ -71,15 +71,27 @@ static void panel_rows(const float *a, int M, int K, int N, const float *panel, 
     }
 }
 
-/* a: [M, K], panels: ceil(N / 16) x K x 16 floats, bias: [N] or NULL, c: [M, N]; all contiguous. */
+/* a: [M, K], panels: ceil(N / 16) x K x 16 floats, bias: [N] or NULL, c: [M, N]; all contiguous.
+ *
+ * Threads take panels from a shared counter rather than fixed runs: on a machine where the
+ * server's other processes share the engine's cores, a thread that the kernel preempts would
+ * otherwise leave its partner waiting at the end of every GEMM for the rest of its run. Each
+ * thread claims its next panel before computing the current one, so that it knows what to
+ * prefetch. */
 void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
               int num_threads) {
     const int P = (N + NR - 1) / NR;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int p = 0; p < P; p++) {
-        const float *panel = panels + (size_t)p * K * NR;
-        const float *next = p + 1 < P ? panel + (size_t)K * NR : 0;
-        const int ncols = N - p * NR < NR ? N - p * NR : NR;
-        panel_rows(a, M, K, N, panel, c + (size_t)p * NR, ncols, bias ? bias + p * NR : 0, next);
+    int counter = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int p = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
+        while (p < P) {
+            const int q = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
+            const float *panel = panels + (size_t)p * K * NR;
+            const float *next = q < P ? panels + (size_t)q * K * NR : 0;
+            const int ncols = N - p * NR < NR ? N - p * NR : NR;
+            panel_rows(a, M, K, N, panel, c + (size_t)p * NR, ncols, bias ? bias + p * NR : 0, next);
+            p = q;
+        }
     }
 }
