@@ -14,8 +14,9 @@ def test_kernel_builds():
 
 def packed_batch(gen, heads, kv_heads, dim, dtype, block_size=4):
     # (query tokens, context length): two decodes, a whole prompt, a later chunk, a one-token
-    # tail after a prefix hit, a prompt longer than the kernel's query tile.
-    layout = [(1, 9), (1, 1), (6, 6), (5, 23), (1, 17), (37, 40)]
+    # tail after a prefix hit, a prompt longer than the kernel's query tile, and decodes whose
+    # contexts fill and overrun the decode kernel's groups of eight keys.
+    layout = [(1, 9), (1, 1), (6, 6), (5, 23), (1, 17), (37, 40), (1, 133), (1, 64), (1, 8)]
     num_blocks = sum(-(-ctx // block_size) for _, ctx in layout) + 5
     max_blocks = max(-(-ctx // block_size) for _, ctx in layout)
     # Blocks scattered over the cache, as after many requests came and went.

@@ -12,6 +12,9 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
 
 /* Query tokens per work item: long prompts split into tiles that threads share. */
 #define QUERY_TILE 16
@@ -110,6 +113,119 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
     }
 }
 
+/* A decode: one sequence's single new token, every head. The query heads of a KV head's group
+ * all read that head's keys and values, so each group is done together while its rows are in
+ * cache. Work per key is small (a 64-wide dot product and a multiply-add), so what limits a
+ * decode is memory and the latency of dependent arithmetic: scores are computed eight keys at a
+ * time with eight independent accumulators, and exponentials eight at a time. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* exp(x) for x <= 0 (scores less their maximum), to about one ulp: Cephes' expf polynomial. */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f)); /* below this exp is denormal; it adds nothing */
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
+/* scale * (q . k[j]) for eight keys into out[0..8). */
+static inline __attribute__((always_inline)) void scores8(const float *q, const float *const *k, int D, float scale,
+                                                        float *out) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
+        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
+        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
+        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
+        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + d), a4);
+        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + d), a5);
+        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + d), a6);
+        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + d), a7);
+    }
+    /* Eight sums at once: pairwise adds leave [k0..k3 low halves | k0..k3 high halves] and the
+     * same for k4..k7; the two 128-bit halves then add up. */
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+
+/* Softmax weights of n scores in place, unnormalized; returns their sum. */
+static inline float exp_scores(float *sr, int n) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + t));
+    float m[8];
+    _mm256_storeu_ps(m, vmax);
+    float max = m[0];
+    for (int i = 1; i < 8; i++) max = m[i] > max ? m[i] : max;
+    for (; t < n; t++) max = sr[t] > max ? sr[t] : max;
+    const __m256 vm = _mm256_set1_ps(max);
+    __m256 vsum = _mm256_setzero_ps();
+    for (t = 0; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + t), vm));
+        _mm256_storeu_ps(sr + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sums[8];
+    _mm256_storeu_ps(sums, vsum);
+    float sum = ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
+    for (; t < n; t++) {
+        sr[t] = expf(sr[t] - max);
+        sum += sr[t];
+    }
+    return sum;
+}
+#define HAVE_DECODE_KERNEL 1
+#define IS_DECODE(q_len) ((q_len) == 1)
+#else
+#define IS_DECODE(q_len) 0
+#endif
+
+#ifdef HAVE_DECODE_KERNEL
+static inline __attribute__((always_inline)) void decode_dim(const Args *a, int seq, Scratch *s, const int D) {
+    const int group = a->num_heads / a->num_kv_heads;
+    const int n = a->seq_lens[seq];
+    const int32_t *table = a->block_tables + (size_t)seq * a->max_blocks;
+    for (int h = 0; h < a->num_kv_heads; h++) {
+        gather_rows(a, table, h, n, s);
+        for (int g = 0; g < group; g++) {
+            const size_t row = (size_t)a->query_start[seq] * a->num_heads + (size_t)h * group + g;
+            const float *qr = a->q + row * D;
+            float *sr = s->scores;
+            int t = 0;
+            for (; t + 8 <= n; t += 8) scores8(qr, s->k_rows + t, D, a->scale, sr + t);
+            for (; t < n; t++) sr[t] = dot(qr, s->k_rows[t], D) * a->scale;
+            const float sum = exp_scores(sr, n);
+            v8 acc[32];
+            for (int i = 0; i < D / 8; i++) acc[i] = (v8){0};
+            for (t = 0; t < n; t++) {
+                const v8 p = (v8){0} + sr[t];
+                const float *v = s->v_rows[t];
+                for (int i = 0; i < D / 8; i++) acc[i] += p * *(const v8 *)(v + 8 * i);
+            }
+            float *o = a->out + row * D;
+            const v8 inv = (v8){0} + 1.f / sum;
+            for (int i = 0; i < D / 8; i++) *(v8 *)(o + 8 * i) = acc[i] * inv;
+        }
+    }
+}
+
+static void decode_64(const Args *a, int seq, Scratch *s) { decode_dim(a, seq, s, 64); }
+static void decode_128(const Args *a, int seq, Scratch *s) { decode_dim(a, seq, s, 128); }
+static void decode_any(const Args *a, int seq, Scratch *s) { decode_dim(a, seq, s, a->head_dim); }
+#endif
+
 static void attend_64(const Args *a, WorkItem w, Scratch *s) { attend_dim(a, w, s, 64); }
 static void attend_128(const Args *a, WorkItem w, Scratch *s) { attend_dim(a, w, s, 128); }
 static void attend_any(const Args *a, WorkItem w, Scratch *s) { attend_dim(a, w, s, a->head_dim); }
@@ -131,10 +247,14 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     num_kv_heads, head_dim, block_size, max_blocks, is_bf16, scale};
     void (*attend)(const Args *, WorkItem, Scratch *) =
         head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
+#ifdef HAVE_DECODE_KERNEL
+    void (*decode)(const Args *, int, Scratch *) =
+        head_dim == 64 ? decode_64 : head_dim == 128 ? decode_128 : decode_any;
+#endif
     int num_items = 0, max_ctx = 1, failed = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int q_len = query_start[s + 1] - query_start[s];
-        num_items += (q_len + QUERY_TILE - 1) / QUERY_TILE * num_kv_heads;
+        num_items += IS_DECODE(q_len) ? 1 : (q_len + QUERY_TILE - 1) / QUERY_TILE * num_kv_heads;
         if (seq_lens[s] > max_ctx) max_ctx = seq_lens[s];
     }
     WorkItem *items = malloc(sizeof(WorkItem) * (num_items ? num_items : 1));
@@ -142,6 +262,11 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
     int n = 0;
     for (int s = 0; s < num_seqs; s++) {
         const int q_len = query_start[s + 1] - query_start[s];
+        if (IS_DECODE(q_len)) {
+            WorkItem w = {s, -1, 0, 1}; /* every head, by `decode` */
+            items[n++] = w;
+            continue;
+        }
         for (int first = 0; first < q_len; first += QUERY_TILE)
             for (int h = 0; h < num_kv_heads; h++) {
                 WorkItem w = {s, h, first, q_len - first < QUERY_TILE ? q_len - first : QUERY_TILE};
@@ -161,7 +286,15 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
             s.k_buf = s.scores + max_ctx;
             s.v_buf = s.k_buf + (size_t)max_ctx * head_dim;
 #pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < num_items; i++) attend(&a, items[i], &s);
+            for (int i = 0; i < num_items; i++) {
+#ifdef HAVE_DECODE_KERNEL
+                if (items[i].kv_head < 0) {
+                    decode(&a, items[i].seq, &s);
+                    continue;
+                }
+#endif
+                attend(&a, items[i], &s);
+            }
         }
         free(s.k_rows);
         free(s.scores);
