@@ -19,6 +19,9 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
 #define NR 16
 #define MR 6
+/* Panels per claim: runs long enough to stream from memory in order, short enough that the
+ * threads finish together. */
+#define CHUNK 4
 
 /* Rows [0, mr) of A times one panel (K x 16) into c; `next`, when set, is prefetched one cache
  * line per k, so the next panel arrives while this one is computed. */
@@ -73,25 +76,31 @@ static void panel_rows(const float *a, int M, int K, int N, const float *panel, 
 
 /* a: [M, K], panels: ceil(N / 16) x K x 16 floats, bias: [N] or NULL, c: [M, N]; all contiguous.
  *
- * Threads take panels from a shared counter rather than fixed runs: on a machine where the
- * server's other processes share the engine's cores, a thread that the kernel preempts would
- * otherwise leave its partner waiting at the end of every GEMM for the rest of its run. Each
- * thread claims its next panel before computing the current one, so that it knows what to
+ * Threads take runs of CHUNK panels from a shared counter rather than fixed halves: on a machine
+ * where the server's other processes share the engine's cores, a thread that the kernel preempts
+ * would otherwise leave its partner waiting at the end of every GEMM for the rest of its half.
+ * Each thread claims its next run before computing the current one, so that it knows what to
  * prefetch. */
 void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
               int num_threads) {
     const int P = (N + NR - 1) / NR;
+    const int chunks = (P + CHUNK - 1) / CHUNK;
     int counter = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        int p = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-        while (p < P) {
-            const int q = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-            const float *panel = panels + (size_t)p * K * NR;
-            const float *next = q < P ? panels + (size_t)q * K * NR : 0;
-            const int ncols = N - p * NR < NR ? N - p * NR : NR;
-            panel_rows(a, M, K, N, panel, c + (size_t)p * NR, ncols, bias ? bias + p * NR : 0, next);
-            p = q;
+        int chunk = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
+        while (chunk < chunks) {
+            const int next_chunk = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
+            const int end = (chunk + 1) * CHUNK < P ? (chunk + 1) * CHUNK : P;
+            for (int p = chunk * CHUNK; p < end; p++) {
+                /* the panel this thread computes next: the following one, or its next run's first */
+                const int q = p + 1 < end ? p + 1 : next_chunk * CHUNK;
+                const float *panel = panels + (size_t)p * K * NR;
+                const float *next = q < P ? panels + (size_t)q * K * NR : 0;
+                const int ncols = N - p * NR < NR ? N - p * NR : NR;
+                panel_rows(a, M, K, N, panel, c + (size_t)p * NR, ncols, bias ? bias + p * NR : 0, next);
+            }
+            chunk = next_chunk;
         }
     }
 }
