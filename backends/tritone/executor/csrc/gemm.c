@@ -23,20 +23,27 @@ typedef float v8 __attribute__((vector_size(32), aligned(4)));
  * threads finish together. */
 #define CHUNK 4
 
-/* Rows [0, mr) of A times one panel (K x 16) into c; `next`, when set, is prefetched one cache
- * line per k, so the next panel arrives while this one is computed. */
+/* Rows [0, mr) of A times one panel (K x 16) into c. `next`, when set, is the panel computed
+ * after this one: this pass prefetches its lines pf_first, pf_first + pf_step, ..., one per k
+ * row it reaches, so that the panel's passes over row tiles together fetch it all, evenly over
+ * the time they take (fetched in the first pass alone, it came in a burst that the memory
+ * could not deliver in time: batch-32 linears of a decode step took 70 ms, 60 ms spread). */
 static inline __attribute__((always_inline)) void tile(const float *a, int K, const float *panel, float *c,
                                                        int ldc, int ncols, const float *bias, int mr,
-                                                       const float *next) {
+                                                       const float *next, int pf_first, int pf_step) {
     v8 acc[MR][2];
     for (int r = 0; r < MR; r++) {
         acc[r][0] = (v8){0};
         acc[r][1] = (v8){0};
     }
+    int pf = next ? pf_first : K;
     for (int k = 0; k < K; k++) {
         const v8 b0 = *(const v8 *)(panel + (size_t)k * NR);
         const v8 b1 = *(const v8 *)(panel + (size_t)k * NR + 8);
-        if (next) __builtin_prefetch(next + (size_t)k * NR, 0, 3);
+        if (k == pf) {
+            __builtin_prefetch(next + (size_t)k * NR, 0, 3);
+            pf += pf_step;
+        }
         for (int r = 0; r < MR; r++) {
             if (r < mr) {
                 const float s = a[(size_t)r * K + k];
@@ -59,10 +66,11 @@ static inline __attribute__((always_inline)) void tile(const float *a, int K, co
 }
 
 /* Each case is its own copy of `tile` with a constant row count, fully unrolled. */
-#define TILE(n) tile(a + (size_t)m * K, K, panel, c + (size_t)m * N, N, ncols, bias, n, m == 0 ? next : 0)
+#define TILE(n) tile(a + (size_t)m * K, K, panel, c + (size_t)m * N, N, ncols, bias, n, next, m / MR, tiles)
 
 static void panel_rows(const float *a, int M, int K, int N, const float *panel, float *c, int ncols,
                        const float *bias, const float *next) {
+    const int tiles = (M + MR - 1) / MR;
     int m = 0;
     for (; m + MR <= M; m += MR) TILE(MR);
     switch (M - m) {
