@@ -5,6 +5,10 @@ measured dtype; the default model in bf16 against Hugging Face bf16."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Qwen2Config, Qwen3Config
@@ -84,6 +88,18 @@ def test_tiny_models_equal_hugging_face(tiny, mode):
         assert isinstance(model, llama.LlamaForCausalLM)
         assert (engine.runner.compile_seconds > 0) == (mode == "on")
     assert got == [hf_greedy(hf, p) for p in ids]
+
+
+def test_compile_cache_lies_under_tritones_cache(tmp_path):
+    # Inductor writes its own default into the environment once anything asks it for its cache,
+    # and loading a model does: Tritone's must be in place before that.
+    env = {k: v for k, v in os.environ.items() if k != "TORCHINDUCTOR_CACHE_DIR"}
+    env["TRITONE_CACHE"] = str(tmp_path)
+    code = ("import os, tritone.executor.compiler\n"
+            "from torch._inductor.runtime.cache_dir_utils import cache_dir\n"
+            "print(cache_dir())")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == str(tmp_path / "compile" / "inductor")
 
 
 def test_failed_compile_falls_back_to_eager(tmp_path, monkeypatch):

@@ -44,6 +44,16 @@ def should_compile(mode: str, device: torch.device) -> bool:
 _compiled: dict = {}
 
 
+def _default_inductor_cache() -> None:
+    """Puts inductor's cache under Tritone's unless the user chose one. Set when this module is
+    imported: inductor writes its own default into the environment the first time anything asks
+    it for its cache (loading the model does), after which this would come too late."""
+    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
+
+
+_default_inductor_cache()
+
+
 def compile_model(model: torch.nn.Module) -> bool:
     """Compiles the decoder layer's forward of Tritone's own model in place; False where the
     model is not one of ours or torch.compile cannot be set up (logged)."""
@@ -53,7 +63,6 @@ def compile_model(model: torch.nn.Module) -> bool:
         logger.info("the Hugging Face fallback model runs eagerly")
         return False
     _use_utf8_locale()
-    os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache_dir() / "inductor"))
     # One compile worker: the machine's other cores serve requests while a server starts.
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
     try:
