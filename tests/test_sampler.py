@@ -12,6 +12,7 @@ from transformers.generation.logits_process import (
     LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, NoBadWordsLogitsProcessor,
     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+from tritone.executor import kernels
 from tritone.request import Request, SamplingParams
 from tritone.sampler import Sampler, apply_bans, apply_penalties, warp
 
@@ -182,3 +183,17 @@ def test_additive_penalties_stay_within_openais_range(field):
     SamplingParams(**{field: 2.0}).validate(VOCAB)
     with pytest.raises(ValueError, match=field):
         SamplingParams(**{field: 2.5}).validate(VOCAB)
+
+
+@pytest.mark.parametrize("n", [1, 7, 15, 16, 17, 100, 49152 + 5])
+def test_native_argmax_is_torchs(n):
+    # Few distinct values, so that ties are everywhere: the lowest index of the maximum wins,
+    # as in torch's argmax and so in Hugging Face's greedy choice; rows of -inf as after bans.
+    gen = torch.Generator().manual_seed(n)
+    x = torch.randint(-3, 3, (6, n), generator=gen).float()
+    x[1] = float("-inf")
+    x[2, -1] = 10.0  # the maximum in the tail past the last whole group of eight
+    x[3, 0] = 10.0
+    assert kernels.native_library() is not None
+    assert kernels.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
+    assert kernels.argmax_rows(x[:, : max(1, n // 2)]).tolist() == x[:, : max(1, n // 2)].argmax(dim=-1).tolist()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from tritone.executor.kernels import argmax_rows
 from tritone.request import Request
 
 _NEG_INF = float("-inf")
@@ -38,7 +39,7 @@ class Sampler:
         apply_penalties(logits, requests)
         apply_bans(logits, requests)
         greedy = torch.tensor([r.params.is_greedy for r in requests])
-        token_ids = logits.argmax(dim=-1)
+        token_ids = argmax_rows(logits)
         if not bool(greedy.all()):
             sampled_rows = (~greedy).nonzero().flatten().tolist()
             sampled = self._sample(logits[sampled_rows], [requests[i] for i in sampled_rows])
@@ -55,7 +56,7 @@ class Sampler:
         noise = torch.empty_like(probs)
         for i, request in enumerate(requests):
             noise[i].exponential_(generator=request.generator)
-        return (probs / noise).argmax(dim=-1)
+        return argmax_rows(probs / noise)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:

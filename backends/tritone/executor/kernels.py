@@ -1,9 +1,9 @@
-"""Native CPU kernels from `csrc/` (paged attention, fp32 GEMM), compiled with the system C
+"""Native CPU kernels from `csrc/` (paged attention, fp32 GEMM, row argmax), compiled with the system C
 compiler at first use into one library.
 
 The shared library is cached under the Tritone cache directory, keyed by the source, the flags
 and the CPU's feature flags (it is built with -march=native). Where no compiler is found or the
-build fails, `native_library()` returns None and attention and linears take their torch paths.
+build fails, `native_library()` returns None and attention, linears and argmax take their torch paths.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c")]
+_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c", "argmax.c")]
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -62,6 +62,8 @@ def _build() -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.gemm_f32.restype = None
     lib.gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.argmax_rows.restype = None
+    lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     return lib
 
 
@@ -115,4 +117,17 @@ def gemm_f32(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, o
     if x.shape[0]:
         native_library().gemm_f32(x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                   out.data_ptr(), x.shape[0], x.shape[1], out_features, torch.get_num_threads())
+    return out
+
+
+def argmax_rows(x: torch.Tensor) -> torch.Tensor:
+    """`x.argmax(dim=-1)` of a [rows, n] float32 CPU tensor: the lowest index of each row's
+    maximum, as torch's; falls back to torch where the native kernels are missing."""
+    lib = native_library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not x.shape[1]:
+        return x.argmax(dim=-1)
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0]:
+        lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
     return out
