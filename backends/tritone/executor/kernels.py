@@ -1,9 +1,10 @@
-"""Native CPU kernels from `csrc/` (paged attention, fp32 GEMM, row argmax), compiled with the system C
-compiler at first use into one library.
+"""Native CPU kernels from `csrc/` (paged attention, fp32 GEMM, row argmax), compiled with the
+system C compiler at first use into one library.
 
 The shared library is cached under the Tritone cache directory, keyed by the source, the flags
 and the CPU's feature flags (it is built with -march=native). Where no compiler is found or the
-build fails, `native_library()` returns None and attention, linears and argmax take their torch paths.
+build fails, `native_library()` returns None and attention, linears and argmax take their torch
+paths.
 """
 
 from __future__ import annotations

@@ -76,6 +76,21 @@ static inline __attribute__((always_inline)) float dot(const float *x, const flo
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
+/* out = sum over t of p[t] * v_rows[t], divided by `sum`: one query row's output from its
+ * unnormalized softmax weights. */
+static inline __attribute__((always_inline)) void weighted_values(const float *p, const float *const *v_rows, int n,
+                                                                float sum, float *out, const int D) {
+    v8 acc[32]; /* head_dim / 8 of them; in registers when D is a small constant */
+    for (int i = 0; i < D / 8; i++) acc[i] = (v8){0};
+    for (int t = 0; t < n; t++) {
+        const v8 pt = (v8){0} + p[t];
+        const float *v = v_rows[t];
+        for (int i = 0; i < D / 8; i++) acc[i] += pt * *(const v8 *)(v + 8 * i);
+    }
+    const v8 inv = (v8){0} + 1.f / sum;
+    for (int i = 0; i < D / 8; i++) *(v8 *)(out + 8 * i) = acc[i] * inv;
+}
+
 /* One work item. Its rows are (query token, query head of this kv head's group) pairs; the
  * token at row r sits at position first_pos + r / group and sees keys [0, that]. Inlined with
  * D a constant for common head sizes, so that a row's accumulator stays in registers. */
@@ -100,16 +115,7 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
             sr[t] = expf(sr[t] - max);
             sum += sr[t];
         }
-        v8 acc[32]; /* head_dim / 8 of them; in registers when D is a small constant */
-        for (int i = 0; i < D / 8; i++) acc[i] = (v8){0};
-        for (int t = 0; t < n; t++) {
-            const v8 p = (v8){0} + sr[t];
-            const float *v = s->v_rows[t];
-            for (int i = 0; i < D / 8; i++) acc[i] += p * *(const v8 *)(v + 8 * i);
-        }
-        float *o = a->out + row * D;
-        const v8 inv = (v8){0} + 1.f / sum;
-        for (int i = 0; i < D / 8; i++) *(v8 *)(o + 8 * i) = acc[i] * inv;
+        weighted_values(sr, s->v_rows, n, sum, a->out + row * D, D);
     }
 }
 
@@ -206,17 +212,7 @@ static inline __attribute__((always_inline)) void decode_dim(const Args *a, int 
             int t = 0;
             for (; t + 8 <= n; t += 8) scores8(qr, s->k_rows + t, D, a->scale, sr + t);
             for (; t < n; t++) sr[t] = dot(qr, s->k_rows[t], D) * a->scale;
-            const float sum = exp_scores(sr, n);
-            v8 acc[32];
-            for (int i = 0; i < D / 8; i++) acc[i] = (v8){0};
-            for (t = 0; t < n; t++) {
-                const v8 p = (v8){0} + sr[t];
-                const float *v = s->v_rows[t];
-                for (int i = 0; i < D / 8; i++) acc[i] += p * *(const v8 *)(v + 8 * i);
-            }
-            float *o = a->out + row * D;
-            const v8 inv = (v8){0} + 1.f / sum;
-            for (int i = 0; i < D / 8; i++) *(v8 *)(o + 8 * i) = acc[i] * inv;
+            weighted_values(sr, s->v_rows, n, exp_scores(sr, n), a->out + row * D, D);
         }
     }
 }
