@@ -1,6 +1,6 @@
 """Tritone's own model definitions against Hugging Face's, on tiny random checkpoints built here
-(Qwen2 with QKV bias, Qwen3 with q/k norm, Llama 3 RoPE scaling, sharded weights), compiled and
-eager; the Hugging Face fallback for an architecture not covered; a compile that fails; the
+(Qwen2 with QKV bias, Qwen3 with q/k norm, Llama 3 RoPE scaling, sharded weights), native,
+compiled and eager; the Hugging Face fallback for an architecture not covered; a compile that fails; the
 measured dtype; the default model in bf16 against Hugging Face bf16."""
 
 from __future__ import annotations
@@ -76,18 +76,29 @@ def engine_greedy(model_dir, prompt_ids, **overrides):
     return engine, [outputs[str(i)] for i in range(len(prompt_ids))]
 
 
-@pytest.mark.parametrize("mode", ["on", "off"])
-def test_tiny_models_equal_hugging_face(tiny, mode):
+@pytest.mark.parametrize("forward, mode", [("auto", "auto"), ("torch", "on"), ("torch", "off")])
+def test_tiny_models_equal_hugging_face(tiny, forward, mode):
     name, path, hf = tiny
     ids = prompts()
-    engine, got = engine_greedy(path, ids, compile=mode)
+    engine, got = engine_greedy(path, ids, forward=forward, compile=mode)
     model = engine.runner.model
     if name == "gemma":  # (1 + weight) norms: not a Llama-family model, so the fallback serves it
-        assert isinstance(model, HFCausalLM)
+        assert isinstance(model, HFCausalLM) and engine.runner.native is None
     else:
         assert isinstance(model, llama.LlamaForCausalLM)
-        assert (engine.runner.compile_seconds > 0) == (mode == "on")
+        # auto: the native forward, in one call per step, and nothing compiled
+        assert (engine.runner.native is not None) == (forward == "auto")
+        assert (engine.runner.compile_seconds > 0) == (forward == "torch" and mode == "on")
     assert got == [hf_greedy(hf, p) for p in ids]
+
+
+def test_native_forward_asked_for_where_it_cannot_run(tmp_path):
+    _, path, _ = build_tiny("gemma", tmp_path)
+    with pytest.raises(ValueError, match="forward native: the model runs on Hugging Face's modules"):
+        engine_greedy(path, prompts(1), forward="native")
+    _, path, _ = build_tiny("qwen2", tmp_path / "qwen2")
+    with pytest.raises(ValueError, match="forward native: it runs float32, not bfloat16"):
+        engine_greedy(path, prompts(1), forward="native", dtype="bfloat16")
 
 
 def test_compile_cache_lies_under_tritones_cache(tmp_path):
@@ -113,7 +124,7 @@ def test_failed_compile_falls_back_to_eager(tmp_path, monkeypatch):
     monkeypatch.setattr(compiler, "_compiled", {})
     monkeypatch.setattr(compiler.torch, "compile", broken)
     ids = prompts(2)
-    engine, got = engine_greedy(path, ids, compile="on")
+    engine, got = engine_greedy(path, ids, forward="torch", compile="on")
     assert engine.runner.compile_seconds == 0
     assert engine.runner.model.layer_forward is llama.DecoderLayer.forward
     assert got == [hf_greedy(hf, p) for p in ids]

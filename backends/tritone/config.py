@@ -31,6 +31,9 @@ class EngineConfig:
     num_threads: int = 0
     # torch.compile the forward pass: auto (on CPU where a C++ compiler is present), on, off.
     compile: str = "auto"
+    # The forward pass: native (Tritone's Llama family in one native call per step, fp32 on CPU),
+    # torch (the model's modules, compiled per `compile`), or auto (native where it can run).
+    forward: str = "auto"
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -39,6 +42,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
         if self.compile not in ("auto", "on", "off"):
             raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
+        if self.forward not in ("auto", "native", "torch"):
+            raise ValueError(f"forward must be auto, native or torch, got {self.forward!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

@@ -131,6 +131,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
                    help="torch.compile the model's forward on CPU (auto: where a C++ compiler is present); "
                         "the first start compiles, later starts load the cache")
+    p.add_argument("--forward", default="auto", choices=["auto", "native", "torch"],
+                   help="native: Tritone's Llama-family model in one native call per step (fp32 on CPU); "
+                        "torch: the model's torch modules (compiled per --compile); auto: native where it can run")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed response, except the first and the last (default 1: every token); "
                         "larger values send fewer responses, each with more text")
@@ -166,6 +169,7 @@ def template_values(args, model_dir: pathlib.Path) -> dict[str, str]:
         "max_queue_len": args.max_queue_len,
         "num_threads": args.num_threads,
         "compile": args.compile,
+        "forward": args.forward,
         "stream_interval": args.stream_interval,
         "enable_prefix_caching": str(not args.no_prefix_caching).lower(),
         "chat_template": args.chat_template,

@@ -1,10 +1,10 @@
-"""Native CPU kernels from `csrc/` (paged attention, fp32 GEMM, row argmax), compiled with the
-system C compiler at first use into one library.
+"""Native CPU kernels from `csrc/` (paged attention, fp32 GEMM, row argmax, the Llama family's
+whole forward pass), compiled with the system C compiler at first use into one library.
 
 The shared library is cached under the Tritone cache directory, keyed by the source, the flags
 and the CPU's feature flags (it is built with -march=native). Where no compiler is found or the
-build fails, `native_library()` returns None and attention, linears and argmax take their torch
-paths.
+build fails, `native_library()` returns None and the model, attention, linears and argmax take
+their torch paths.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c", "argmax.c")]
+_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c", "argmax.c", "llama.c")]
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig
 
 from tritone.config import EngineConfig
-from tritone.executor import attention, compiler, gemm, hardware, llama
+from tritone.executor import attention, compiler, gemm, hardware, llama, native
 from tritone.executor.loader import load_weights
 from tritone.scheduler import SchedulerOutput
 
@@ -99,7 +99,8 @@ class ModelRunner:
                     config.model, self.device, self.dtype, torch.get_num_threads(), self.attention.name,
                     self.num_blocks, self.block_size)
         self.compile_seconds = 0.0
-        if compiler.should_compile(config.compile, self.device):
+        self.native = self._native_forward(config.forward)
+        if self.native is None and compiler.should_compile(config.compile, self.device):
             t0 = time.perf_counter()
             if compiler.compile_model(self.model):
                 if self._warm_up():
@@ -108,6 +109,19 @@ class ModelRunner:
                                 compiler.cache_dir())
                 else:
                     compiler.restore_eager(self.model)
+
+    def _native_forward(self, mode: str) -> native.NativeForward | None:
+        """The native forward where `mode` and the model allow it (logged either way)."""
+        if mode == "torch":
+            return None
+        reason = native.unsupported_reason(self.model, self.dtype, self.device)
+        if reason is not None:
+            if mode == "native":
+                raise ValueError(f"forward native: {reason}")
+            logger.info("forward pass: torch (the native forward cannot run: %s)", reason)
+            return None
+        logger.info("forward pass: native, one call per step")
+        return native.NativeForward(self.model, self.kv_caches, self.block_size)
 
     def _num_kv_blocks(self, config: EngineConfig) -> int:
         per_block = kv_bytes_per_token(self.hf_config, self.dtype) * self.block_size
@@ -186,6 +200,8 @@ class ModelRunner:
     @torch.inference_mode()
     def _forward(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices,
                  num_decodes) -> torch.Tensor:
+        if self.native is not None:
+            return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
         meta = attention.AttentionMetadata(
             slot_mapping=to(slots), block_tables=to(tables), query_start=to(query_start), seq_lens=to(seq_lens),

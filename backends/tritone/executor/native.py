@@ -1,0 +1,139 @@
+"""Tritone's Llama-family model run by one native call per step (`csrc/llama.c`), fp32 on CPU.
+
+The torch path runs a step as about ten operations per layer from Python; compiled, it still
+paid about half a millisecond per layer around the GEMMs and attention (dynamo's wrappers, the
+custom ops' dispatch, allocations). The native forward runs the same kernels (gemm.c's GEMM,
+paged_attention.c's attention) back to back in C on one scratch buffer, with the small work
+between them fused by hand. It reads the weights of the `LlamaForCausalLM` module in place
+(linears as gemm.c's panels), so that both paths share one loaded model.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+
+import numpy as np
+import torch
+
+from tritone.executor import kernels, llama
+
+logger = logging.getLogger(__name__)
+
+_LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
+                 "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
+
+
+class _Model(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_int) for name in ("num_layers", "hidden", "intermediate", "num_heads",
+                                                   "num_kv_heads", "head_dim", "vocab")] + [
+        ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
+        (name, ctypes.c_void_p) for name in ("embed", "rope", "final_norm", "lm_head")] + [
+        ("layers", ctypes.POINTER(_Layer))]
+
+
+class _Batch(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("ids", "positions", "slots", "logits_rows", "block_tables",
+                                                      "query_start", "seq_lens")] + [
+        (name, ctypes.c_int) for name in ("num_tokens", "num_seqs", "max_blocks", "block_size", "num_logits")]
+
+
+def unsupported_reason(model, dtype: torch.dtype, device: torch.device) -> str | None:
+    """Why the native forward cannot run this model here (None: it can)."""
+    if device.type != "cpu":
+        return f"it runs on the CPU, not {device.type}"
+    if dtype != torch.float32:
+        return f"it runs float32, not {str(dtype).removeprefix('torch.')}"
+    if not isinstance(model, llama.LlamaForCausalLM):
+        return "the model runs on Hugging Face's modules"
+    spec = model.spec
+    if spec.head_dim % 8 or spec.head_dim > 256:
+        return f"head size {spec.head_dim} is not a multiple of 8 up to 256"
+    if kernels.native_library() is None:
+        return "the native kernels did not build"
+    return None
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+class NativeForward:
+    """Runs `model` over a packed batch with one native call; the caches are the runner's."""
+
+    def __init__(self, model: "llama.LlamaForCausalLM", kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+                 block_size: int):
+        self.lib = kernels.native_library()
+        self.lib.llama_forward.restype = ctypes.c_int
+        self.lib.llama_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch), ctypes.c_void_p,
+                                           ctypes.c_void_p, ctypes.c_int]
+        self.lib.llama_scratch_floats.restype = ctypes.c_size_t
+        self.lib.llama_scratch_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int]
+        spec = model.spec
+        self.block_size = block_size
+        self.vocab_size = spec.vocab_size
+        self._keep: list[torch.Tensor] = []  # tensors whose memory the structures point into
+        layers = (_Layer * spec.num_layers)()
+        for i, layer in enumerate(model.layers):
+            attn, mlp = layer.self_attn, layer.mlp
+            k_cache, v_cache = kv_caches[i]
+            assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32
+            norms = {"q_norm": attn.q_norm.weight if attn.q_norm is not None else None,
+                     "k_norm": attn.k_norm.weight if attn.k_norm is not None else None}
+            fields = {
+                "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                "qkv": self._panels(attn.qkv_proj), "qkv_bias": attn.qkv_proj.bias,
+                "o": self._panels(attn.o_proj), "o_bias": attn.o_proj.bias,
+                "gate_up": self._panels(mlp.gate_up_proj), "gate_up_bias": mlp.gate_up_proj.bias,
+                "down": self._panels(mlp.down_proj), "down_bias": mlp.down_proj.bias,
+                "k_cache": k_cache, "v_cache": v_cache, **norms,
+            }
+            for name, tensor in fields.items():
+                if tensor is not None:
+                    assert tensor.is_contiguous() and tensor.dtype == torch.float32, name
+                    self._keep.append(tensor)
+                setattr(layers[i], name, _ptr(tensor))
+        self._layers = layers
+        rope = model.rope.contiguous()
+        self._keep += [rope, model.embed_tokens.weight, model.norm.weight]
+        self.model = _Model(
+            num_layers=spec.num_layers, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
+            num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
+            vocab=spec.vocab_size, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
+            embed=_ptr(model.embed_tokens.weight), rope=_ptr(rope), final_norm=_ptr(model.norm.weight),
+            lm_head=_ptr(self._panels(model.lm_head)), layers=layers)
+        self._scratch = torch.empty(0, dtype=torch.float32)
+
+    def _panels(self, linear: "llama.Linear") -> torch.Tensor:
+        """The layer's weight in gemm.c's panels: the copy its chosen kernels already hold, or a
+        new one where torch's kernels were measured faster for the torch path."""
+        packed = linear.packed_linear
+        panels = packed.panels if packed is not None and packed.panels is not None else kernels.pack_f32(linear.weight)
+        self._keep.append(panels)
+        return panels
+
+    def __call__(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices) -> torch.Tensor:
+        """The runner's model input (arrays, see ModelRunner.prepare); returns logits
+        [len(logits_indices), vocab] float32."""
+        arrays = [np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(positions, dtype=np.int64),
+                  np.ascontiguousarray(slots, dtype=np.int64), np.ascontiguousarray(logits_indices, dtype=np.int64),
+                  np.ascontiguousarray(tables, dtype=np.int32), np.ascontiguousarray(query_start, dtype=np.int32),
+                  np.ascontiguousarray(seq_lens, dtype=np.int32)]
+        num_tokens, num_logits = len(arrays[0]), len(arrays[3])
+        batch = _Batch(*(a.ctypes.data for a in arrays), num_tokens=num_tokens, num_seqs=len(arrays[6]),
+                       max_blocks=arrays[4].shape[1], block_size=self.block_size, num_logits=num_logits)
+        need = self.lib.llama_scratch_floats(ctypes.byref(self.model), num_tokens)
+        if self._scratch.numel() < need:
+            self._scratch = torch.empty(need, dtype=torch.float32)
+        logits = torch.empty(num_logits, self.vocab_size, dtype=torch.float32)
+        rc = self.lib.llama_forward(ctypes.byref(self.model), ctypes.byref(batch), self._scratch.data_ptr(),
+                                    logits.data_ptr(), torch.get_num_threads())
+        if rc == -1:
+            raise MemoryError("paged_attention could not allocate its scratch space")
+        if rc:
+            raise RuntimeError(f"the native forward failed ({rc})")
+        return logits
