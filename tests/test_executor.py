@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Qwen2Co
 from conftest import PROMPTS
 from tritone.config import EngineConfig
 from tritone.engine import LLMEngine
-from tritone.executor import compiler, gemm, hardware, llama
+from tritone.executor import compiler, gemm, hardware, kernels, llama
 from tritone.executor.hf import HFCausalLM
 from tritone.request import SamplingParams
 
@@ -156,6 +156,17 @@ def test_linear_on_each_kernel_equals_mm(kernel, rows, bias):
     layer.prepack(kernel, kernel)
     torch.testing.assert_close(layer(x), want, rtol=1e-5, atol=1e-4)
     torch.testing.assert_close(gemm.linear(x, layer.weight, layer.bias, layer.packed), want, rtol=1e-5, atol=1e-4)
+
+
+@pytest.mark.parametrize("rows", [49, 300])
+def test_native_gemm_over_blocks_of_rows(rows):
+    # 1000 inputs: blocks of 48 rows (192 KB of x each), the last one partial, and panels shared
+    # out among threads across blocks.
+    gen = torch.Generator().manual_seed(rows)
+    weight, bias = torch.randn(1000, 70, generator=gen), torch.randn(70, generator=gen)
+    x = torch.randn(rows, 1000, generator=gen)
+    got = kernels.gemm_f32(x, kernels.pack_f32(weight), bias, 70)
+    torch.testing.assert_close(got, torch.addmm(bias, x, weight), rtol=1e-4, atol=1e-3)
 
 
 def test_gemm_choice_is_measured_once_and_cached(tmp_path, monkeypatch):

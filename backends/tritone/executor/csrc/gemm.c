@@ -88,27 +88,43 @@ static void panel_rows(const float *a, int M, int K, int N, const float *panel, 
  * where the server's other processes share the engine's cores, a thread that the kernel preempts
  * would otherwise leave its partner waiting at the end of every GEMM for the rest of its half.
  * Each thread claims its next run before computing the current one, so that it knows what to
- * prefetch. */
+ * prefetch.
+ *
+ * Rows are taken in blocks of about A_BLOCK_BYTES of A, every panel for one block before the
+ * next: a panel's passes then read their rows of A from the core's own L2 rather than all of A
+ * from the shared L3, at the price of reading each weight once per block (from L3, or memory
+ * for weights larger than it). Blocks of 192 KB measured best of 96 to 320 KB (a decode step's
+ * 121 linears, cold weights, 2 threads: 128 rows 231 -> 209 ms, 512 rows 855 -> 800 ms;
+ * 32 rows, one block, unchanged). */
+#define A_BLOCK_BYTES (192 << 10)
+
 void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
               int num_threads) {
+    if (M <= 0) return;
     const int P = (N + NR - 1) / NR;
     const int chunks = (P + CHUNK - 1) / CHUNK;
+    int mc = A_BLOCK_BYTES / (K * (int)sizeof(float)) / MR * MR;
+    if (mc < MR) mc = MR;
+    if (mc > M) mc = M;
+    const int items = (M + mc - 1) / mc * chunks; /* item i: run i % chunks of rows block i / chunks */
     int counter = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        int chunk = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-        while (chunk < chunks) {
-            const int next_chunk = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
+        int item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
+        while (item < items) {
+            const int next_item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
+            const int chunk = item % chunks, m0 = item / chunks * mc, mb = M - m0 < mc ? M - m0 : mc;
             const int end = (chunk + 1) * CHUNK < P ? (chunk + 1) * CHUNK : P;
             for (int p = chunk * CHUNK; p < end; p++) {
                 /* the panel this thread computes next: the following one, or its next run's first */
-                const int q = p + 1 < end ? p + 1 : next_chunk * CHUNK;
+                const int q = p + 1 < end ? p + 1 : next_item < items ? next_item % chunks * CHUNK : P;
                 const float *panel = panels + (size_t)p * K * NR;
                 const float *next = q < P ? panels + (size_t)q * K * NR : 0;
                 const int ncols = N - p * NR < NR ? N - p * NR : NR;
-                panel_rows(a, M, K, N, panel, c + (size_t)p * NR, ncols, bias ? bias + p * NR : 0, next);
+                panel_rows(a + (size_t)m0 * K, mb, K, N, panel, c + (size_t)m0 * N + p * NR, ncols,
+                           bias ? bias + p * NR : 0, next);
             }
-            chunk = next_chunk;
+            item = next_item;
         }
     }
 }
