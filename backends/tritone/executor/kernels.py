@@ -16,12 +16,15 @@ import os
 import pathlib
 import subprocess
 import tempfile
+import time
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SOURCES = [pathlib.Path(__file__).parent / "csrc" / name for name in ("paged_attention.c", "gemm.c", "argmax.c", "llama.c")]
+_CSRC = pathlib.Path(__file__).parent / "csrc"
+_SOURCES = [_CSRC / name for name in ("paged_attention.c", "gemm.c", "argmax.c", "llama.c")]
+_HEADERS = [_CSRC / "vexp.h"]
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -41,7 +44,7 @@ def _cpu_flags() -> str:
 def _build() -> ctypes.CDLL:
     from tritone.models import cache_root
 
-    source = b"".join(path.read_bytes() for path in _SOURCES)
+    source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]
     target = cache_root() / "kernels" / f"tritone-kernels-{key}.so"
     if not target.exists():
@@ -51,9 +54,11 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)
         os.close(fd)
         try:
+            t0 = time.perf_counter()
             subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", tmp, "-lm"], check=True,
                            capture_output=True, text=True, timeout=120)
             os.replace(tmp, target)
+            logger.info("built the native kernels in %.1f s (cache: %s)", time.perf_counter() - t0, target)
         finally:
             if os.path.exists(tmp):
                 os.unlink(tmp)

@@ -15,6 +15,7 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include "vexp.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -77,26 +78,6 @@ static void rms_norm(const float *x, const float *weight, float *out, int n, flo
     for (int i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
 }
 
-/* exp(x) for any float, to about one ulp: Cephes' expf polynomial. */
-#if defined(__AVX2__) && defined(__FMA__)
-static inline __m256 exp8_any(__m256 x) {
-    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.0f)), _mm256_set1_ps(88.0f));
-    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                      _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-    p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-#endif
-
 /* out[j] = silu(gate_up[j]) * gate_up[n + j] for j < n. */
 static void silu_mul(const float *gate_up, float *out, int n) {
     int j = 0;
@@ -104,7 +85,7 @@ static void silu_mul(const float *gate_up, float *out, int n) {
     const __m256 one = _mm256_set1_ps(1.0f);
     for (; j + 8 <= n; j += 8) {
         const __m256 g = _mm256_loadu_ps(gate_up + j);
-        const __m256 e = exp8_any(_mm256_sub_ps(_mm256_setzero_ps(), g));
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
         const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
         _mm256_storeu_ps(out + j, _mm256_mul_ps(s, _mm256_loadu_ps(gate_up + n + j)));
     }
