@@ -54,10 +54,15 @@ static inline __attribute__((always_inline)) void tile(const float *a, int K, co
         }
     }
     for (int r = 0; r < mr; r++) {
+        float *out = c + (size_t)r * ldc;
+        if (ncols == NR) { /* a whole panel's row: two vector stores, not sixteen scalar ones */
+            *(v8 *)out = bias ? acc[r][0] + *(const v8 *)bias : acc[r][0];
+            *(v8 *)(out + 8) = bias ? acc[r][1] + *(const v8 *)(bias + 8) : acc[r][1];
+            continue;
+        }
         float row[NR];
         *(v8 *)row = acc[r][0];
         *(v8 *)(row + 8) = acc[r][1];
-        float *out = c + (size_t)r * ldc;
         if (bias)
             for (int j = 0; j < ncols; j++) out[j] = row[j] + bias[j];
         else
