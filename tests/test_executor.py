@@ -92,6 +92,29 @@ def test_tiny_models_equal_hugging_face(tiny, forward, mode):
     assert got == [hf_greedy(hf, p) for p in ids]
 
 
+def test_native_forward_logits_match_the_torch_modules(tiny):
+    # Logits, not only greedy choices: the same requests (prompt chunks, decodes, a prefix-cache
+    # hit) through the native forward and through the eager torch modules, step by step.
+    name, path, _ = tiny
+    if name == "gemma":
+        return
+    logits = {}
+    for forward in ("native", "torch"):
+        engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_bytes=8 << 20, block_size=4,
+                                        max_num_batched_tokens=24, forward=forward, compile="off"))
+        steps = logits[forward] = []
+        execute = engine.runner.execute
+        engine.runner.execute = lambda model_input: steps.append(execute(model_input)) or steps[-1]
+        shared = prompts(1)[0] * 2  # the second request repeats the first's prompt: a prefix hit
+        for i, ids in enumerate([shared, prompts(3)[2], shared + [7, 8, 9]]):
+            engine.add_request(str(i), ids, SamplingParams(max_tokens=6, end_id=-1))
+        while engine.has_unfinished_requests():
+            engine.step()
+    assert len(logits["native"]) == len(logits["torch"]) > 5
+    for got, want in zip(logits["native"], logits["torch"]):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=2e-4)
+
+
 def test_native_forward_asked_for_where_it_cannot_run(tmp_path):
     _, path, _ = build_tiny("gemma", tmp_path)
     with pytest.raises(ValueError, match="forward native: the model runs on Hugging Face's modules"):
