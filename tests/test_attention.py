@@ -14,9 +14,10 @@ def test_kernel_builds():
 
 def packed_batch(gen, heads, kv_heads, dim, dtype, block_size=4):
     # (query tokens, context length): two decodes, a whole prompt, a later chunk, a one-token
-    # tail after a prefix hit, a prompt longer than the kernel's query tile, and decodes whose
-    # contexts fill and overrun the decode kernel's groups of eight keys.
-    layout = [(1, 9), (1, 1), (6, 6), (5, 23), (1, 17), (37, 40), (1, 133), (1, 64), (1, 8)]
+    # tail after a prefix hit, a prompt longer than the kernel's query tile, decodes whose
+    # contexts fill and overrun the decode kernel's groups of eight keys, and a prompt and a
+    # later chunk whose contexts span several of the prompt path's blocks of 64 keys.
+    layout = [(1, 9), (1, 1), (6, 6), (5, 23), (1, 17), (37, 40), (1, 133), (1, 64), (1, 8), (70, 70), (20, 150)]
     num_blocks = sum(-(-ctx // block_size) for _, ctx in layout) + 5
     max_blocks = max(-(-ctx // block_size) for _, ctx in layout)
     # Blocks scattered over the cache, as after many requests came and went.
