@@ -70,6 +70,12 @@ def _build() -> ctypes.CDLL:
     lib.gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    # llama_forward(model, batch, scratch, logits, threads) and llama_scratch_floats(model, tokens):
+    # the structures are native.py's.
+    lib.llama_forward.restype = ctypes.c_int
+    lib.llama_forward.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    lib.llama_scratch_floats.restype = ctypes.c_size_t
+    lib.llama_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int]
     return lib
 
 

@@ -68,11 +68,6 @@ class NativeForward:
     def __init__(self, model: "llama.LlamaForCausalLM", kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
                  block_size: int):
         self.lib = kernels.native_library()
-        self.lib.llama_forward.restype = ctypes.c_int
-        self.lib.llama_forward.argtypes = [ctypes.POINTER(_Model), ctypes.POINTER(_Batch), ctypes.c_void_p,
-                                           ctypes.c_void_p, ctypes.c_int]
-        self.lib.llama_scratch_floats.restype = ctypes.c_size_t
-        self.lib.llama_scratch_floats.argtypes = [ctypes.POINTER(_Model), ctypes.c_int]
         spec = model.spec
         self.block_size = block_size
         self.vocab_size = spec.vocab_size

@@ -103,32 +103,42 @@ static void rope(const float *x, const float *table_row, float *out, int D) {
     }
 }
 
-/* Token t's queries (normed if the model norms them, rotated) into q_out, and its keys
- * (the same) and values into the cache at its slot. */
+/* n heads of D floats from x, each normed (where norm is set: Qwen3's q/k norm) and rotated for
+ * the position's row of the RoPE table, into out. */
+static void norm_rope_heads(const float *x, int n, const float *norm, const float *table_row, float *out, int D,
+                            float eps) {
+    float tmp[512];
+    for (int h = 0; h < n; h++) {
+        const float *head = x + (size_t)h * D;
+        if (norm) {
+            rms_norm(head, norm, tmp, D, eps);
+            head = tmp;
+        }
+        rope(head, table_row, out + (size_t)h * D, D);
+    }
+}
+
+/* Token t's queries into q_out, and its keys and values into the cache at its slot. */
 static void qkv_to_cache(const LlamaModel *m, const LlamaLayer *l, const float *qkv_row, int64_t position,
                          int64_t slot, float *q_out) {
     const int D = m->head_dim, H = m->num_heads, KV = m->num_kv_heads;
     const float *table_row = m->rope + (size_t)position * D;
-    float tmp[512];
-    for (int h = 0; h < H; h++) {
-        const float *x = qkv_row + (size_t)h * D;
-        if (l->q_norm) {
-            rms_norm(x, l->q_norm, tmp, D, m->eps);
-            x = tmp;
-        }
-        rope(x, table_row, q_out + (size_t)h * D, D);
-    }
     const float *k = qkv_row + (size_t)H * D, *v = k + (size_t)KV * D;
-    float *k_dst = l->k_cache + (size_t)slot * KV * D, *v_dst = l->v_cache + (size_t)slot * KV * D;
-    for (int h = 0; h < KV; h++) {
-        const float *x = k + (size_t)h * D;
-        if (l->k_norm) {
-            rms_norm(x, l->k_norm, tmp, D, m->eps);
-            x = tmp;
-        }
-        rope(x, table_row, k_dst + (size_t)h * D, D);
+    norm_rope_heads(qkv_row, H, l->q_norm, table_row, q_out, D, m->eps);
+    norm_rope_heads(k, KV, l->k_norm, table_row, l->k_cache + (size_t)slot * KV * D, D, m->eps);
+    memcpy(l->v_cache + (size_t)slot * KV * D, v, sizeof(float) * KV * D);
+}
+
+/* residual += out and normed = norm(residual) with `weight`, for T rows of n. */
+static void add_norm_rows(float *residual, const float *out, const float *weight, float *normed, int T, int n,
+                          float eps, int threads) {
+#pragma omp parallel for num_threads(threads)
+    for (int t = 0; t < T; t++) {
+        float *r = residual + (size_t)t * n;
+        const float *o = out + (size_t)t * n;
+        for (int j = 0; j < n; j++) r[j] += o[j];
+        rms_norm(r, weight, normed + (size_t)t * n, n, eps);
     }
-    memcpy(v_dst, v, sizeof(float) * KV * D);
 }
 
 /* Floats of scratch space `llama_forward` needs for num_tokens tokens. */
@@ -168,27 +178,13 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
                                        b->max_blocks, m->scale, 0, num_threads);
         if (rc) return rc;
         gemm_f32(attn, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
-#pragma omp parallel for num_threads(threads)
-        for (int t = 0; t < T; t++) {
-            float *r = residual + (size_t)t * Hd;
-            const float *o = out + (size_t)t * Hd;
-            for (int j = 0; j < Hd; j++) r[j] += o[j];
-            rms_norm(r, l->post_norm, normed + (size_t)t * Hd, Hd, m->eps);
-        }
+        add_norm_rows(residual, out, l->post_norm, normed, T, Hd, m->eps, threads);
         gemm_f32(normed, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
 #pragma omp parallel for num_threads(threads)
         for (int t = 0; t < T; t++) silu_mul(wide + (size_t)t * 2 * I, act + (size_t)t * I, I);
         gemm_f32(act, l->down, l->down_bias, out, T, I, Hd, num_threads);
-        if (i + 1 < m->num_layers) {
-            const float *next_norm = m->layers[i + 1].input_norm;
-#pragma omp parallel for num_threads(threads)
-            for (int t = 0; t < T; t++) {
-                float *r = residual + (size_t)t * Hd;
-                const float *o = out + (size_t)t * Hd;
-                for (int j = 0; j < Hd; j++) r[j] += o[j];
-                rms_norm(r, next_norm, normed + (size_t)t * Hd, Hd, m->eps);
-            }
-        }
+        if (i + 1 < m->num_layers)
+            add_norm_rows(residual, out, m->layers[i + 1].input_norm, normed, T, Hd, m->eps, threads);
     }
     /* The last layer's residual add and the final norm only at the rows that are sampled. */
     for (int s = 0; s < b->num_logits; s++) {
