@@ -104,10 +104,11 @@ def test_native_forward_logits_match_the_torch_modules(tiny):
                                         max_num_batched_tokens=24, forward=forward, compile="off"))
         steps = logits[forward] = []
         execute = engine.runner.execute
-        engine.runner.execute = lambda model_input: steps.append(execute(model_input)) or steps[-1]
+        engine.runner.execute = lambda model_input, greedy: steps.append(execute(model_input, greedy)) or steps[-1]
         shared = prompts(1)[0] * 2  # the second request repeats the first's prompt: a prefix hit
         for i, ids in enumerate([shared, prompts(3)[2], shared + [7, 8, 9]]):
-            engine.add_request(str(i), ids, SamplingParams(max_tokens=6, end_id=-1))
+            # Log probabilities asked for: the step needs the logits, not only the greedy tokens.
+            engine.add_request(str(i), ids, SamplingParams(max_tokens=6, end_id=-1, return_log_probs=True))
         while engine.has_unfinished_requests():
             engine.step()
     assert len(logits["native"]) == len(logits["torch"]) > 5
@@ -190,6 +191,19 @@ def test_native_gemm_over_blocks_of_rows(rows):
     x = torch.randn(rows, 1000, generator=gen)
     got = kernels.gemm_f32(x, kernels.pack_f32(weight), bias, 70)
     torch.testing.assert_close(got, torch.addmm(bias, x, weight), rtol=1e-4, atol=1e-3)
+
+
+@pytest.mark.parametrize("rows,k,n", [(1, 64, 4099), (7, 64, 1000), (300, 64, 5003), (50, 1000, 333)])
+def test_native_gemm_argmax_is_the_argmax_of_the_product(rows, k, n):
+    # Panels spread over threads in runs, several blocks of rows (300 x 64, 1000-wide x), a
+    # partial last panel; then ties, which must go to the lowest column as torch's argmax does.
+    gen = torch.Generator().manual_seed(rows)
+    weight, x = torch.randn(k, n, generator=gen), torch.randn(rows, k, generator=gen)
+    panels = kernels.pack_f32(weight)
+    assert torch.equal(kernels.gemm_f32_argmax(x, panels, n), kernels.gemm_f32(x, panels, None, n).argmax(dim=-1))
+    weight[:, n - 1] = weight[:, 70] = weight[:, 40]  # three equal columns, in different panels and runs
+    x[:] = weight[:, 40]  # each row's product is largest at those columns
+    assert kernels.gemm_f32_argmax(x, kernels.pack_f32(weight), n).tolist() == [40] * rows
 
 
 def test_gemm_choice_is_measured_once_and_cached(tmp_path, monkeypatch):

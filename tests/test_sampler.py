@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
 
 from tritone.executor import kernels
 from tritone.request import Request, SamplingParams
-from tritone.sampler import Sampler, apply_bans, apply_penalties, warp
+from tritone.sampler import Sampler, apply_bans, apply_penalties, needs_logits, warp
 
 VOCAB = 64
 END_IDS = frozenset({2, 3})
@@ -197,3 +197,19 @@ def test_native_argmax_is_torchs(n):
     assert kernels.native_library() is not None
     assert kernels.argmax_rows(x).tolist() == x.argmax(dim=-1).tolist()
     assert kernels.argmax_rows(x[:, : max(1, n // 2)]).tolist() == x[:, : max(1, n // 2)].argmax(dim=-1).tolist()
+
+
+@pytest.mark.parametrize("params,needed", [
+    ({}, False), ({"top_k": 1, "temperature": 0.7}, False), ({"min_tokens": 3}, False),  # 6 outputs: reached
+    ({"temperature": 0.7}, True), ({"return_log_probs": True}, True), ({"repetition_penalty": 1.3}, True),
+    ({"presence_penalty": 0.5}, True), ({"frequency_penalty": 0.5}, True), ({"bad_token_ids": [[50]]}, True),
+    ({"min_tokens": 10}, True)])
+def test_only_plain_greedy_steps_skip_the_logits(params, needed):
+    # Where needs_logits says no, the engine takes the raw logits' argmax without sampling them
+    # (the native forward never writes them): it must be exactly what the sampler would choose.
+    req = request(PROMPT, OUTPUT, **params)
+    assert needs_logits([req]) is needed and needs_logits([request(PROMPT, OUTPUT), req]) is needed
+    logits = random_logits(1, seed=5)
+    logits[0, 2] = 50.0  # an end id wins unless banned
+    tokens, _ = Sampler()(logits.clone(), [req])
+    assert (tokens == logits.argmax(dim=-1).tolist()) or needed

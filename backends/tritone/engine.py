@@ -17,7 +17,7 @@ from tritone.block_manager import BlockManager
 from tritone.config import EngineConfig
 from tritone.executor import ModelRunner
 from tritone.request import FinishReason, Request, RequestOutput, SamplingParams
-from tritone.sampler import Sampler
+from tritone.sampler import Sampler, needs_logits
 from tritone.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -155,10 +155,14 @@ class LLMEngine:
         t1 = time.perf_counter()
         model_input = self.runner.prepare(batch, sample_rows)
         t2 = time.perf_counter()
-        logits = self.runner.execute(model_input)
-        t3 = time.perf_counter()
         sample_requests = [batch.scheduled[i].request for i in sample_rows]
-        token_ids, log_probs = self.sampler(logits, sample_requests) if sample_requests else ([], [])
+        greedy = bool(sample_requests) and not needs_logits(sample_requests)
+        out = self.runner.execute(model_input, greedy)
+        t3 = time.perf_counter()
+        if greedy:
+            token_ids, log_probs = out.tolist(), [0.0] * len(sample_requests)
+        else:
+            token_ids, log_probs = self.sampler(out, sample_requests) if sample_requests else ([], [])
         t4 = time.perf_counter()
         for item in batch.scheduled:
             request, start = item.request, item.request.num_computed_tokens

@@ -31,6 +31,18 @@ def banned_token_ids(request: Request) -> list[int]:
     return banned
 
 
+def needs_logits(requests: list[Request]) -> bool:
+    """False where every request takes the plain greedy token: no penalty, ban, sampling or log
+    probabilities, so that the argmax of the raw logits is the answer and the runner may skip
+    writing them."""
+    for r in requests:
+        p = r.params
+        if (not p.is_greedy or p.return_log_probs or _has_penalty(r) or p.bad_token_ids
+                or (len(r.output_ids) < p.min_tokens and r.end_ids)):
+            return True
+    return False
+
+
 class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
         """Returns one token id per row of `logits` [B, V] and its log-probability (under the

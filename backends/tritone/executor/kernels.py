@@ -68,12 +68,14 @@ def _build() -> ctypes.CDLL:
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
     lib.gemm_f32.restype = None
     lib.gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.gemm_f32_argmax.restype = ctypes.c_int
+    lib.gemm_f32_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    # llama_forward(model, batch, scratch, logits, threads) and llama_scratch_floats(model, tokens):
-    # the structures are native.py's.
+    # llama_forward(model, batch, scratch, logits, greedy_ids, threads) and
+    # llama_scratch_floats(model, tokens): the structures are native.py's.
     lib.llama_forward.restype = ctypes.c_int
-    lib.llama_forward.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int]
+    lib.llama_forward.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int]
     lib.llama_scratch_floats.restype = ctypes.c_size_t
     lib.llama_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int]
     return lib
@@ -129,6 +131,17 @@ def gemm_f32(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, o
     if x.shape[0]:
         native_library().gemm_f32(x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
                                   out.data_ptr(), x.shape[0], x.shape[1], out_features, torch.get_num_threads())
+    return out
+
+
+def gemm_f32_argmax(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """(x @ weight).argmax(dim=-1) on `pack_f32`'s panels without writing the product: the
+    same values as `gemm_f32`'s, ties to the lowest index; x [rows, in] float32."""
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0] and native_library().gemm_f32_argmax(x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0],
+                                                       x.shape[1], out_features, torch.get_num_threads()):
+        raise MemoryError("gemm_f32_argmax could not allocate its scratch space")
     return out
 
 

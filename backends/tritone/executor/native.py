@@ -111,9 +111,11 @@ class NativeForward:
         self._keep.append(panels)
         return panels
 
-    def __call__(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices) -> torch.Tensor:
+    def __call__(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices,
+                 greedy: bool = False) -> torch.Tensor:
         """The runner's model input (arrays, see ModelRunner.prepare); returns logits
-        [len(logits_indices), vocab] float32."""
+        [len(logits_indices), vocab] float32, or where `greedy`, each row's greedy token
+        [len(logits_indices)] int64 without the logits ever being written."""
         arrays = [np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(positions, dtype=np.int64),
                   np.ascontiguousarray(slots, dtype=np.int64), np.ascontiguousarray(logits_indices, dtype=np.int64),
                   np.ascontiguousarray(tables, dtype=np.int32), np.ascontiguousarray(query_start, dtype=np.int32),
@@ -124,11 +126,16 @@ class NativeForward:
         need = self.lib.llama_scratch_floats(ctypes.byref(self.model), num_tokens)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)
-        logits = torch.empty(num_logits, self.vocab_size, dtype=torch.float32)
+        if greedy:
+            out = torch.empty(num_logits, dtype=torch.int64)
+            logits_ptr, ids_ptr = None, out.data_ptr()
+        else:
+            out = torch.empty(num_logits, self.vocab_size, dtype=torch.float32)
+            logits_ptr, ids_ptr = out.data_ptr(), None
         rc = self.lib.llama_forward(ctypes.byref(self.model), ctypes.byref(batch), self._scratch.data_ptr(),
-                                    logits.data_ptr(), torch.get_num_threads())
+                                    logits_ptr, ids_ptr, torch.get_num_threads())
         if rc == -1:
-            raise MemoryError("paged_attention could not allocate its scratch space")
+            raise MemoryError("the native forward could not allocate its scratch space")
         if rc:
             raise RuntimeError(f"the native forward failed ({rc})")
-        return logits
+        return out

@@ -18,6 +18,7 @@ from transformers import AutoConfig
 
 from tritone.config import EngineConfig
 from tritone.executor import attention, compiler, gemm, hardware, llama, native
+from tritone.executor.kernels import argmax_rows
 from tritone.executor.loader import load_weights
 from tritone.scheduler import SchedulerOutput
 
@@ -192,16 +193,21 @@ class ModelRunner:
         return (np.asarray(ids, dtype=np.int64), positions, slots, tables, query_start.astype(np.int32),
                 seq_lens.astype(np.int32), logits_indices, num_decodes)
 
-    def execute(self, model_input: tuple) -> torch.Tensor:
+    def execute(self, model_input: tuple, greedy: bool = False) -> torch.Tensor:
         """Computes the scheduled tokens; returns logits [len(sample_rows), vocab] float32 at the
-        last scheduled token of each request `batch.scheduled[i]` for i in sample_rows."""
-        return self._forward(*model_input)
+        last scheduled token of each request `batch.scheduled[i]` for i in sample_rows, or where
+        `greedy`, those rows' greedy tokens [len(sample_rows)] int64 (the native forward then
+        never writes the logits)."""
+        if greedy and self.native is not None:
+            return self._forward(*model_input, greedy=True)
+        logits = self._forward(*model_input)
+        return argmax_rows(logits) if greedy else logits
 
     @torch.inference_mode()
     def _forward(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices,
-                 num_decodes) -> torch.Tensor:
+                 num_decodes, greedy: bool = False) -> torch.Tensor:
         if self.native is not None:
-            return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices)
+            return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices, greedy)
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
         meta = attention.AttentionMetadata(
             slot_mapping=to(slots), block_tables=to(tables), query_start=to(query_start), seq_lens=to(seq_lens),

@@ -14,8 +14,13 @@
  * Plain C with GCC/Clang vector extensions, no torch headers; OpenMP threads come from the
  * process's libgomp, which is torch's own once torch is loaded. */
 #include <stddef.h>
+#include <stdint.h>
+#include <math.h>
+#include <stdlib.h>
+#include <string.h>
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
+typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
 
 #define NR 16
 #define MR 6
@@ -132,4 +137,95 @@ void gemm_f32(const float *a, const float *panels, const float *bias, float *c, 
             item = next_item;
         }
     }
+}
+
+/* Folds rows [0, mb) of a panel's product (buf, rows of NR, the first ncols valid; column col0
+ * first) into each row's running maximum and its column. Strictly greater: the first of equal
+ * values stays, and NaN is never taken. */
+static void fold_max(const float *buf, int mb, int ncols, int col0, float *best, int32_t *best_col) {
+    for (int r = 0; r < mb; r++) {
+        const float *row = buf + (size_t)r * NR;
+        float m = best[r];
+        if (ncols == NR) { /* mostly nothing beats the row's maximum so far: one vector test */
+            const v8 mv = {m, m, m, m, m, m, m, m};
+            const v8i greater = (*(const v8 *)row > mv) | (*(const v8 *)(row + 8) > mv);
+            int any = 0;
+            for (int lane = 0; lane < 8; lane++) any |= greater[lane];
+            if (!any) continue;
+        }
+        int32_t col = best_col[r];
+        for (int j = 0; j < ncols; j++)
+            if (row[j] > m) {
+                m = row[j];
+                col = col0 + j;
+            }
+        best[r] = m;
+        best_col[r] = col;
+    }
+}
+
+/* out[m] = argmax over n of (A @ W)[m, n], with `gemm_f32`'s arithmetic (so the values compared
+ * are the ones gemm_f32 would write) but without writing the product: a greedy step's logits
+ * are [rows, vocab], 50 MB at 256 rows of a 49,152-token vocabulary, written by the LM head
+ * and read back by the argmax. Ties go to the lowest index and NaN is never chosen, as
+ * argmax_rows; a row with nothing above -inf gets 0. Returns -1 where scratch cannot be
+ * allocated. */
+int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, int K, int N, int num_threads) {
+    if (M <= 0) return 0;
+    const int P = (N + NR - 1) / NR;
+    const int chunks = (P + CHUNK - 1) / CHUNK;
+    int mc = A_BLOCK_BYTES / (K * (int)sizeof(float)) / MR * MR;
+    if (mc < MR) mc = MR;
+    if (mc > M) mc = M;
+    const int items = (M + mc - 1) / mc * chunks;
+    /* Each item's rows' maximum over its run of panels: [chunks, M], merged in column order. */
+    float *part = malloc(sizeof(float) * (size_t)M * chunks);
+    int32_t *part_col = malloc(sizeof(int32_t) * (size_t)M * chunks);
+    int failed = !part || !part_col, counter = 0;
+    if (!failed) {
+#pragma omp parallel num_threads(num_threads) reduction(| : failed)
+        {
+            /* the product of one panel and a block of rows, then the block's running maxima */
+            float *buf = malloc(sizeof(float) * (size_t)mc * (NR + 1) + sizeof(int32_t) * (size_t)mc);
+            float *best = buf + (size_t)mc * NR;
+            int32_t *best_col = (int32_t *)(best + mc);
+            int item = buf ? __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED) : items;
+            failed |= !buf;
+            while (item < items) {
+                const int next_item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
+                const int chunk = item % chunks, m0 = item / chunks * mc, mb = M - m0 < mc ? M - m0 : mc;
+                const int end = (chunk + 1) * CHUNK < P ? (chunk + 1) * CHUNK : P;
+                for (int r = 0; r < mb; r++) {
+                    best[r] = -INFINITY;
+                    best_col[r] = -1;
+                }
+                for (int p = chunk * CHUNK; p < end; p++) {
+                    const int q = p + 1 < end ? p + 1 : next_item < items ? next_item % chunks * CHUNK : P;
+                    const float *panel = panels + (size_t)p * K * NR;
+                    const float *next = q < P ? panels + (size_t)q * K * NR : 0;
+                    const int ncols = N - p * NR < NR ? N - p * NR : NR;
+                    panel_rows(a + (size_t)m0 * K, mb, K, NR, panel, buf, ncols, 0, next);
+                    fold_max(buf, mb, ncols, p * NR, best, best_col);
+                }
+                memcpy(part + (size_t)chunk * M + m0, best, sizeof(float) * mb);
+                memcpy(part_col + (size_t)chunk * M + m0, best_col, sizeof(int32_t) * mb);
+                item = next_item;
+            }
+            free(buf);
+        }
+    }
+    if (!failed)
+        for (int r = 0; r < M; r++) {
+            float m = -INFINITY;
+            int32_t col = -1;
+            for (int ch = 0; ch < chunks; ch++)
+                if (part[(size_t)ch * M + r] > m) {
+                    m = part[(size_t)ch * M + r];
+                    col = part_col[(size_t)ch * M + r];
+                }
+            out[r] = col < 0 ? 0 : col;
+        }
+    free(part);
+    free(part_col);
+    return failed ? -1 : 0;
 }

@@ -22,6 +22,7 @@
 
 void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
               int num_threads);
+int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, int K, int N, int num_threads);
 int paged_attention(const float *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                     const int32_t *query_start, const int32_t *seq_lens, float *out, int num_seqs, int num_heads,
                     int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale, int is_bf16,
@@ -151,9 +152,12 @@ size_t llama_scratch_floats(const LlamaModel *m, int num_tokens) {
 }
 
 /* Runs the model over b's tokens, writing their keys and values into each layer's cache, and
- * the logits of rows b->logits_rows into logits [num_logits, vocab]. scratch holds
- * llama_scratch_floats(m, b->num_tokens) floats. Returns paged_attention's error, else 0. */
-int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, float *logits, int num_threads) {
+ * the logits of rows b->logits_rows into logits [num_logits, vocab], or, where greedy_ids is
+ * set, only each such row's greedy token into greedy_ids [num_logits] (logits unused). scratch
+ * holds llama_scratch_floats(m, b->num_tokens) floats. Returns paged_attention's or
+ * gemm_f32_argmax's error, else 0. */
+int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, float *logits, int64_t *greedy_ids,
+                  int num_threads) {
     const int T = b->num_tokens, Hd = m->hidden, I = m->intermediate;
     const int q_size = m->num_heads * m->head_dim, qkv_size = q_size + 2 * m->num_kv_heads * m->head_dim;
     const int threads = T >= PARALLEL_ROWS ? num_threads : 1;
@@ -194,6 +198,7 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
         for (int j = 0; j < Hd; j++) dst[j] = r[j] + o[j];
         rms_norm(dst, m->final_norm, dst, Hd, m->eps);
     }
+    if (greedy_ids) return gemm_f32_argmax(normed, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads);
     gemm_f32(normed, m->lm_head, 0, logits, b->num_logits, Hd, m->vocab, num_threads);
     return 0;
 }
