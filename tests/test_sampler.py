@@ -213,3 +213,35 @@ def test_only_plain_greedy_steps_skip_the_logits(params, needed):
     logits[0, 2] = 50.0  # an end id wins unless banned
     tokens, _ = Sampler()(logits.clone(), [req])
     assert (tokens == logits.argmax(dim=-1).tolist()) or needed
+
+
+@pytest.mark.parametrize("params", [dict(temperature=0.7, top_p=0.9), dict(temperature=1.3, top_p=0.5),
+                                    dict(temperature=0.8, top_k=300, top_p=0.95), dict(temperature=0.9, min_p=0.05),
+                                    dict(temperature=0.6, top_p=0.8, min_p=0.1)])
+def test_warping_a_large_vocabulary_matches_hugging_face(params):
+    # 5,000 tokens: top-p looks among the 1,024 most likely first. A peaked row's set lies among
+    # them; a flat row's (scaled down) reaches past them and takes the whole-vocabulary sort.
+    gen = torch.Generator().manual_seed(7)
+    logits = torch.cat([torch.randn(2, 5000, generator=gen) * 4, torch.randn(1, 5000, generator=gen) * 0.05])
+    reqs = [request(PROMPT, OUTPUT, **params) for _ in range(len(logits))]
+    ours = warp(logits.clone(), reqs)
+    for i, req in enumerate(reqs):
+        assert_same_logits(ours[i:i + 1], hf_warpers(req.params)(input_ids(req), logits[i:i + 1].clone()))
+
+
+def test_the_sampling_kernel_inverts_the_cumulative_distribution():
+    # The same uniforms through the native kernel and through torch's softmax, cumsum and
+    # searchsorted pick the same tokens; removed tokens are never drawn, even at u = 0.
+    gen = torch.Generator().manual_seed(8)
+    x = torch.randn(64, 3001, generator=gen) * 3
+    x[:, :10] = float("-inf")
+    x[:, 2000:2500] = float("-inf")
+    inv_t = torch.rand(64, generator=gen) + 0.5
+    u = torch.rand(64, generator=gen, dtype=torch.float64)
+    u[0], u[1] = 0.0, 1.0 - 1e-12
+    got = kernels.sample_rows(x, inv_t, u)
+    probs = torch.softmax(x.double() * inv_t.double()[:, None], dim=-1)
+    cdf = probs.cumsum(dim=-1)
+    want = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).flatten()
+    assert (got == want).float().mean() > 0.95  # rounding may move a draw that sits on a boundary
+    assert all(torch.isfinite(x[torch.arange(64), got])) and got[0] == 10 and got[1] == int(probs[1].nonzero().max())

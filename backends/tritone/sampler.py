@@ -1,7 +1,7 @@
 """Vectorized sampling with per-request parameters and per-request random streams.
 
-Each sampled request draws its noise from its own generator, one row per step, so a seeded
-request yields the same tokens whatever else shares the batch. The transforms follow Hugging
+Each sampled request draws one uniform per step from its own generator, inverted through its
+row's distribution, so a seeded request yields the same tokens whatever else shares the batch. The transforms follow Hugging
 Face's logits processors, in the order `generate` applies them: repetition penalty (over prompt
 and output tokens), presence and frequency penalties (output tokens, as in vLLM), bad words and
 min_tokens bans; then, for sampled rows, temperature, top-k, top-p over what top-k kept, min-p.
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from tritone.executor.kernels import argmax_rows
+from tritone.executor.kernels import argmax_rows, sample_rows
 from tritone.request import Request
 
 _NEG_INF = float("-inf")
@@ -63,12 +63,22 @@ class Sampler:
         return token_ids.tolist(), log_probs
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
-        probs = torch.softmax(warp(logits, requests), dim=-1)
-        # Exponential race (Gumbel-max): argmax(p / E) with E ~ Exp(1) samples from p.
-        noise = torch.empty_like(probs)
-        for i, request in enumerate(requests):
-            noise[i].exponential_(generator=request.generator)
-        return argmax_rows(probs / noise)
+        # One uniform per row from the request's own generator, inverted through the row's
+        # distribution (kernels.sample_rows): a seeded request draws the same whatever else
+        # shares the batch. Rows without top-k, top-p or min-p skip `warp` and its sorting;
+        # their temperature goes to the kernel.
+        u = torch.tensor([float(torch.rand((), dtype=torch.float64, generator=r.generator)) for r in requests],
+                         dtype=torch.float64)
+        inv_temperature = torch.tensor([1.0 / r.params.temperature for r in requests], dtype=torch.float32)
+        warped = [i for i, r in enumerate(requests) if _warps(r.params)]
+        if len(warped) == len(requests):
+            logits = warp(logits, requests)
+            inv_temperature.fill_(1.0)
+        elif warped:
+            logits = logits.clone()
+            logits[warped] = warp(logits[warped], [requests[i] for i in warped])
+            inv_temperature[warped] = 1.0
+        return sample_rows(logits, inv_temperature, u)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
@@ -112,12 +122,61 @@ def warp(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     top_k = torch.tensor([r.params.top_k or logits.shape[1] for r in requests], device=device)
     top_p = torch.tensor([r.params.top_p for r in requests], device=device)
     min_p = torch.tensor([r.params.min_p for r in requests], device=device)
-    return _mask_top_k_top_p_min_p(logits / temperature, top_k, top_p, min_p)
+    out = _mask_top_k_top_p_candidates(logits / temperature, top_k, top_p)
+    if bool((min_p > 0).any()):
+        # Min-p relative to the most likely token, which nothing removes: a token stays while
+        # its probability is at least min_p times the largest, whatever the normalisation.
+        floor = out.max(dim=-1, keepdim=True).values + torch.log(min_p)[:, None]
+        out.masked_fill_(out < floor, _NEG_INF)
+    return out
+
+
+def _warps(params) -> bool:
+    return bool(params.top_k) or params.top_p < 1.0 or params.min_p > 0.0
 
 
 def _has_penalty(request: Request) -> bool:
     p = request.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
+
+
+# Top-p without top-k looks among this many of the most likely tokens first; a row whose set
+# reaches past them (a flat distribution) sorts its whole vocabulary.
+_CANDIDATES = 1024
+
+
+def _mask_top_k_top_p_candidates(logits, top_k, top_p):
+    """Top-k, then top-p over what top-k kept renormalised, among the row's most likely
+    tokens (torch.topk) instead of a sort of the whole vocabulary: a sort of 128 rows of a
+    49,152-token vocabulary took 270 ms here, their top 1,024 31 ms and their top 50 6 ms."""
+    rows, vocab = logits.shape
+    limited, nucleus = top_k < vocab, top_p < 1.0
+    if not bool((limited | nucleus).any()):
+        return logits
+    width = int(top_k.max()) if bool(limited.all()) else max(_CANDIDATES, int(top_k[limited].max()) if bool(limited.any()) else 0)
+    width = min(vocab, width)
+    values, index = logits.topk(width, dim=-1)  # descending
+    ranks = torch.arange(width, device=logits.device)[None, :]
+    values = values.masked_fill(ranks >= top_k[:, None], _NEG_INF)
+    # Probabilities over what top-k kept (the whole row where top-k is off), most likely first.
+    norm = values.logsumexp(dim=-1)
+    if not bool(limited.all()):
+        norm = torch.where(limited, norm, logits.logsumexp(dim=-1))
+    probs = torch.exp(values - norm[:, None])
+    # A token goes when the tokens above it already hold top_p of the mass; the first stays.
+    above = probs.cumsum(dim=-1) - probs
+    remove = (above >= top_p[:, None]) & nucleus[:, None]
+    remove[:, 0] = False
+    values = values.masked_fill(remove, _NEG_INF)
+    out = torch.full_like(logits, _NEG_INF).scatter_(1, index, values)
+    untouched = ~limited & ~nucleus
+    out[untouched] = logits[untouched]
+    # Where the candidates hold less than top_p, tokens past them may belong in the set.
+    short = ~limited & nucleus & (probs.sum(dim=-1) < top_p) & (width < vocab)
+    if bool(short.any()):
+        out[short] = _mask_top_k_top_p_min_p(logits[short], top_k[short], top_p[short],
+                                             torch.zeros_like(top_p[short]))
+    return out
 
 
 def _mask_top_k_top_p_min_p(logits, top_k, top_p, min_p):

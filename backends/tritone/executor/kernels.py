@@ -23,7 +23,7 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.c", "gemm.c", "argmax.c", "llama.c")]
+_SOURCES = [_CSRC / name for name in ("paged_attention.c", "gemm.c", "argmax.c", "sample.c", "llama.c")]
 _HEADERS = [_CSRC / "vexp.h"]
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
@@ -70,6 +70,8 @@ def _build() -> ctypes.CDLL:
     lib.gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.gemm_f32_argmax.restype = ctypes.c_int
     lib.gemm_f32_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    lib.sample_rows.restype = None
+    lib.sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     # llama_forward(model, batch, scratch, logits, greedy_ids, threads) and
@@ -155,4 +157,24 @@ def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     out = torch.empty(x.shape[0], dtype=torch.int64)
     if x.shape[0]:
         lib.argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr(), torch.get_num_threads())
+    return out
+
+
+def sample_rows(x: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """One token per row of x [rows, n] float32, drawn from softmax(x * inv_temperature[row]) by
+    inverting its cumulative sum at u[row] (uniform in [0, 1), float64): the first token whose
+    running sum exceeds u times the total. Tokens at -inf are never drawn."""
+    lib = native_library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        probs = torch.softmax(x.double() * inv_temperature.double()[:, None], dim=-1)
+        cdf = probs.cumsum(dim=-1)
+        ids = torch.searchsorted(cdf, (u.double()[:, None] * cdf[:, -1:]).contiguous(), right=True)
+        return ids.flatten().clamp_(max=x.shape[1] - 1)
+    x = x.contiguous()
+    inv_temperature = inv_temperature.to(torch.float32).contiguous()
+    u = u.to(torch.float64).contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0]:
+        lib.sample_rows(x.data_ptr(), x.shape[0], x.shape[1], inv_temperature.data_ptr(), u.data_ptr(),
+                        out.data_ptr(), torch.get_num_threads())
     return out
