@@ -22,10 +22,10 @@ from tritone.request import SamplingParams
 
 
 def run_level(engine: LLMEngine, concurrency: int, num_requests: int, prompt_len: int, output_len: int,
-              first_id: int) -> dict:
+              first_id: int, temperature: float = 0.0, top_p: float = 1.0) -> dict:
     """`num_requests` requests, `concurrency` at a time: scripts/benchmark's protocol, whose
     output tokens/s are all output tokens over the level's whole time."""
-    params = SamplingParams(max_tokens=output_len, end_id=-1, temperature=0.0)
+    params = SamplingParams(max_tokens=output_len, end_id=-1, temperature=temperature, top_p=top_p)
     vocab = engine.vocab_size
     serial, submitted, finished = first_id, 0, 0
 
@@ -74,12 +74,14 @@ def main() -> None:
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 32, 128])
     p.add_argument("--dtype", default="auto")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
+    p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--requests-per-level", type=int, default=0,
                    help="0: max(4, 2 x concurrency), at most 256 (scripts/benchmark's default)")
     args = p.parse_args()
     engine = LLMEngine(EngineConfig(model=str(resolve_model(args.model)), dtype=args.dtype))
     print(f"engine in process: {engine.runner.dtype}, prompt {args.prompt_len} tokens, "
-          f"output {args.output_len}, end of sequence ignored")
+          f"output {args.output_len}, end of sequence ignored, temperature {args.temperature}, top-p {args.top_p}")
     print("| concurrency | output tok/s | decode step (ms) | step with prompt tokens (ms) | share of such steps | "
           + " | ".join(p for p in PHASES if p != "send") + " |")
     print("|---|---|---|---|---|" + "---|" * (len(PHASES) - 1))
@@ -87,7 +89,7 @@ def main() -> None:
     next_id = run_level(engine, 4, 8, args.prompt_len, 8, 0)["next_id"]
     for c in args.concurrency:
         num = args.requests_per_level or min(256, max(4, 2 * c))
-        r = run_level(engine, c, num, args.prompt_len, args.output_len, next_id)
+        r = run_level(engine, c, num, args.prompt_len, args.output_len, next_id, args.temperature, args.top_p)
         next_id = r["next_id"]
         print(f"| {c} | {r['tok_s']:.1f} | {r['decode_step_ms']:.1f} | {r['prefill_step_ms']:.1f} | "
               f"{r['prefill_share']:.2f} | " + " | ".join(f"{v:.2f}" for v in r["phase_ms"].values()) + " |",
