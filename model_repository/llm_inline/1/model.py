@@ -4,8 +4,11 @@ of preprocessing and postprocessing (tritone.inline) done in this process."""
 import itertools
 import json
 import logging
+import os
 import threading
 import time
+
+os.environ.setdefault("GOMP_SPINCOUNT", "2000")  # as in `llm`: before torch loads libgomp
 
 try:  # the launcher puts this beside the Python backend: it adds the environment's paths
     import tritone_env  # noqa: F401
@@ -24,7 +27,7 @@ from tritone.serving import (
     stream_interval, triton_getter)
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-_CANCEL_POLL_SECONDS = 0.02
+_CANCEL_POLL_SECONDS = 0.1
 _METRICS_SECONDS = 1.0
 
 
