@@ -101,7 +101,7 @@ async def closed_loop(one, prompts, concurrency, label="") -> dict:
             "tokens_per_response": sum(counts) / max(1, sum(responses))}
 
 
-async def run_level(url, prompts, concurrency, output_len):
+async def run_level(url, prompts, concurrency, output_len, temperature=0.0, top_p=1.0):
     """One level against Tritone's ensemble over gRPC streaming."""
     client = grpcaio.InferenceServerClient(url)
 
@@ -109,6 +109,8 @@ async def run_level(url, prompts, concurrency, output_len):
         inputs = infer_inputs(grpcaio, (("text_input", np.array([[prompt.encode()]], dtype=object)),
                                         ("max_tokens", np.array([[output_len]], dtype=np.int32)),
                                         ("end_id", np.array([[-1]], dtype=np.int32)),
+                                        ("temperature", np.array([[temperature]], dtype=np.float32)),
+                                        ("top_p", np.array([[top_p]], dtype=np.float32)),
                                         ("stream", np.array([[True]])),
                                         ("apply_chat_template", np.array([[False]]))))
 
@@ -128,7 +130,7 @@ async def run_level(url, prompts, concurrency, output_len):
         await client.close()
 
 
-async def run_peer_level(server, prompts, concurrency, output_len, prompt_len):
+async def run_peer_level(server, prompts, concurrency, output_len, prompt_len, temperature=0.0, top_p=1.0):
     """One level against the peer's /v1/completions stream."""
     # No connection limit but the level's own concurrency; a generous timeout, as a request at
     # high concurrency on two cores takes minutes.
@@ -136,7 +138,7 @@ async def run_peer_level(server, prompts, concurrency, output_len, prompt_len):
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
         async def one(prompt):
             start, arrivals, num_prompt_tokens = await peer_vllm.stream_completion(
-                session, server.url, server.model_name, prompt, output_len)
+                session, server.url, server.model_name, prompt, output_len, temperature, top_p)
             if num_prompt_tokens != prompt_len:
                 raise RuntimeError(f"vLLM counted {num_prompt_tokens} prompt tokens, not {prompt_len}")
             return start, arrivals
@@ -144,14 +146,15 @@ async def run_peer_level(server, prompts, concurrency, output_len, prompt_len):
         return await closed_loop(one, prompts, concurrency, label="vLLM ")
 
 
-def hf_baseline(model_dir, prompts_ids, batch, output_len, dtype):
+def hf_baseline(model_dir, prompts_ids, batch, output_len, dtype, temperature=0.0, top_p=1.0):
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval()
     ids = torch.tensor(prompts_ids[:batch])
     with torch.inference_mode():
         model.generate(ids[:1], max_new_tokens=4, do_sample=False)  # warm-up
         t0 = time.perf_counter()
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature else {}
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                             min_new_tokens=output_len, do_sample=False)
+                             min_new_tokens=output_len, **({"do_sample": False} | sampling))
         elapsed = time.perf_counter() - t0
     assert out.shape[1] - ids.shape[1] == output_len
     return {"output_tokens_per_s": batch * output_len / elapsed, "itl_mean": elapsed / output_len,
@@ -168,6 +171,8 @@ def parse_args(argv):
     p.add_argument("--hf-batches", type=int, nargs="*", default=[1, 32, 128],
                    help="static batches of Hugging Face generate (default 1 32 128; none: no baseline)")
     p.add_argument("--dtype", default="auto", help="Tritone's --dtype (default auto)")
+    p.add_argument("--temperature", type=float, default=0.0, help="every stack's temperature (default 0: greedy)")
+    p.add_argument("--top-p", type=float, default=1.0, help="every stack's top-p (default 1)")
     p.add_argument("--requests-per-level", type=int, default=0, help="0: max(4, 2 x concurrency), at most 256")
     p.add_argument("--server-args", default="", help="extra scripts/serve options, quoted")
     p.add_argument("--peer", choices=["vllm"],
@@ -201,7 +206,8 @@ def main(argv=None) -> int:
     results["tritone_dtype"] = str(dtype).removeprefix("torch.")
     for batch in args.hf_batches:
         print(f"Hugging Face generate, static batch {batch}...", flush=True)
-        results["hf_generate"][batch] = hf_baseline(model_dir, prompts_ids, batch, args.output_len, dtype)
+        results["hf_generate"][batch] = hf_baseline(model_dir, prompts_ids, batch, args.output_len, dtype,
+                                                    args.temperature, args.top_p)
     run_tritone(args, model_dir, prompts, results)
     if args.peer:
         run_peer(args, peer_python, model_dir, prompts, results)
@@ -236,7 +242,8 @@ def run_tritone(args, model_dir, prompts, results):
         for c in args.concurrency:
             metrics.wait_idle()
             before, t0 = metrics.read(), time.perf_counter()
-            level = asyncio.run(run_level(url, level_requests(args, prompts, c), c, args.output_len))
+            level = asyncio.run(run_level(url, level_requests(args, prompts, c), c, args.output_len,
+                                          args.temperature, args.top_p))
             seconds = time.perf_counter() - t0
             metrics.wait_idle()
             after = metrics.read()
@@ -274,7 +281,7 @@ def run_peer(args, python, model_dir, prompts, results):
         asyncio.run(run_peer_level(server, prompts[:4], 4, 8, args.prompt_len))  # warm-up
         for c in args.concurrency:
             level = asyncio.run(run_peer_level(server, level_requests(args, prompts, c), c, args.output_len,
-                                               args.prompt_len))
+                                               args.prompt_len, args.temperature, args.top_p))
             results["peer"][c] = level
             print(f"vLLM, concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, "
                   f"{level['tokens_per_response']:.2f} tokens per response", flush=True)
@@ -283,7 +290,8 @@ def run_peer(args, python, model_dir, prompts, results):
 
 
 def print_report(results, args):
-    print(f"\nprompt {args.prompt_len} tokens, output {args.output_len} tokens (end of sequence ignored); "
+    sampling = f"temperature {args.temperature}, top-p {args.top_p}" if args.temperature else "greedy"
+    print(f"\nprompt {args.prompt_len} tokens, output {args.output_len} tokens (end of sequence ignored, {sampling}); "
           f"Tritone {results['tritone_dtype']}"
           + (f", vLLM {results['peer_dtype']} on {results['peer_threads']} engine thread(s)" if results["peer"] else ""))
     print("| configuration | output tok/s | TTFT mean (s) | TTFT p99 (s) | ITL mean (ms) | ITL p99 (ms) | forward-busy |")

@@ -210,8 +210,8 @@ class VllmServer:
         self.log.close()
 
 
-async def stream_completion(session, url: str, model: str, prompt: str,
-                            output_len: int) -> tuple[float, list[tuple[float, int]], int]:
+async def stream_completion(session, url: str, model: str, prompt: str, output_len: int, temperature: float = 0.0,
+                            top_p: float = 1.0) -> tuple[float, list[tuple[float, int]], int]:
     """One streamed /v1/completions request with end of sequence ignored: its start time, and the
     arrival time and output-token count so far of each chunk that carried tokens; and its prompt
     token count.
@@ -221,7 +221,7 @@ async def stream_completion(session, url: str, model: str, prompt: str,
     without it, each chunk with text counts one token.
     """
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
-            "ignore_eos": True, "temperature": 0.0, "stream": True,
+            "ignore_eos": True, "temperature": temperature, "top_p": top_p, "stream": True,
             "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     arrivals, num_tokens, num_prompt_tokens = [], 0, 0
     start = time.perf_counter()
