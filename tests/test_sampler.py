@@ -229,9 +229,10 @@ def test_warping_a_large_vocabulary_matches_hugging_face(params):
         assert_same_logits(ours[i:i + 1], hf_warpers(req.params)(input_ids(req), logits[i:i + 1].clone()))
 
 
-def test_the_sampling_kernel_inverts_the_cumulative_distribution():
+def test_the_sampling_kernel_inverts_the_cumulative_distribution(monkeypatch):
     # The same uniforms through the native kernel and through torch's softmax, cumsum and
-    # searchsorted pick the same tokens; removed tokens are never drawn, even at u = 0.
+    # searchsorted (also the kernel's own fallback) pick the same tokens; removed tokens are never
+    # drawn, even at u = 0.
     gen = torch.Generator().manual_seed(8)
     x = torch.randn(64, 3001, generator=gen) * 3
     x[:, :10] = float("-inf")
@@ -245,3 +246,5 @@ def test_the_sampling_kernel_inverts_the_cumulative_distribution():
     want = torch.searchsorted(cdf, u[:, None] * cdf[:, -1:], right=True).flatten()
     assert (got == want).float().mean() > 0.95  # rounding may move a draw that sits on a boundary
     assert all(torch.isfinite(x[torch.arange(64), got])) and got[0] == 10 and got[1] == int(probs[1].nonzero().max())
+    monkeypatch.setattr(kernels, "native_library", lambda: None)
+    assert (kernels.sample_rows(x, inv_t, u) == want).float().mean() > 0.95

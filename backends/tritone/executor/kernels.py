@@ -166,9 +166,10 @@ def sample_rows(x: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor)
     running sum exceeds u times the total. Tokens at -inf are never drawn."""
     lib = native_library()
     if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
-        probs = torch.softmax(x.double() * inv_temperature.double()[:, None], dim=-1)
+        inv_temperature, u = inv_temperature.to(x.device, torch.float64), u.to(x.device, torch.float64)
+        probs = torch.softmax(x.double() * inv_temperature[:, None], dim=-1)
         cdf = probs.cumsum(dim=-1)
-        ids = torch.searchsorted(cdf, (u.double()[:, None] * cdf[:, -1:]).contiguous(), right=True)
+        ids = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True)
         return ids.flatten().clamp_(max=x.shape[1] - 1)
     x = x.contiguous()
     inv_temperature = inv_temperature.to(torch.float32).contiguous()
