@@ -1,10 +1,11 @@
 """Vectorized sampling with per-request parameters and per-request random streams.
 
 Each sampled request draws one uniform per step from its own generator, inverted through its
-row's distribution, so a seeded request yields the same tokens whatever else shares the batch. The transforms follow Hugging
-Face's logits processors, in the order `generate` applies them: repetition penalty (over prompt
-and output tokens), presence and frequency penalties (output tokens, as in vLLM), bad words and
-min_tokens bans; then, for sampled rows, temperature, top-k, top-p over what top-k kept, min-p.
+row's distribution, so a seeded request yields the same tokens whatever else shares the batch.
+The transforms follow Hugging Face's logits processors, in the order `generate` applies them:
+repetition penalty (over prompt and output tokens), presence and frequency penalties (output
+tokens, as in vLLM), bad words and min_tokens bans; then, for sampled rows, temperature, top-k,
+top-p over what top-k kept, min-p.
 """
 
 from __future__ import annotations
@@ -153,7 +154,10 @@ def _mask_top_k_top_p_candidates(logits, top_k, top_p):
     limited, nucleus = top_k < vocab, top_p < 1.0
     if not bool((limited | nucleus).any()):
         return logits
-    width = int(top_k.max()) if bool(limited.all()) else max(_CANDIDATES, int(top_k[limited].max()) if bool(limited.any()) else 0)
+    # Rows with top-k need their top_k tokens; rows with top-p alone, the candidates.
+    width = int(top_k[limited].max()) if bool(limited.any()) else 0
+    if not bool(limited.all()):
+        width = max(width, _CANDIDATES)
     width = min(vocab, width)
     values, index = logits.topk(width, dim=-1)  # descending
     ranks = torch.arange(width, device=logits.device)[None, :]
@@ -174,12 +178,13 @@ def _mask_top_k_top_p_candidates(logits, top_k, top_p):
     # Where the candidates hold less than top_p, tokens past them may belong in the set.
     short = ~limited & nucleus & (probs.sum(dim=-1) < top_p) & (width < vocab)
     if bool(short.any()):
-        out[short] = _mask_top_k_top_p_min_p(logits[short], top_k[short], top_p[short],
-                                             torch.zeros_like(top_p[short]))
+        out[short] = _mask_top_k_top_p_sorted(logits[short], top_k[short], top_p[short])
     return out
 
 
-def _mask_top_k_top_p_min_p(logits, top_k, top_p, min_p):
+def _mask_top_k_top_p_sorted(logits, top_k, top_p):
+    """Top-k and top-p over a sort of the whole vocabulary: for rows whose top-p set reaches
+    past the candidates."""
     # Ascending, as Hugging Face and vLLM sort, so that ties and rounding fall the same way.
     sorted_logits, sorted_idx = logits.sort(dim=-1)
     vocab = logits.shape[1]
@@ -190,7 +195,4 @@ def _mask_top_k_top_p_min_p(logits, top_k, top_p, min_p):
     remove = sorted_logits.softmax(dim=-1).cumsum(dim=-1) <= (1 - top_p)[:, None]
     remove[:, -1] = False
     sorted_logits = sorted_logits.masked_fill(remove, _NEG_INF)
-    # Min-p relative to the most likely token (which it never removes).
-    probs = sorted_logits.softmax(dim=-1)
-    sorted_logits = sorted_logits.masked_fill(probs < min_p[:, None] * probs[:, -1:], _NEG_INF)
     return torch.empty_like(logits).scatter_(1, sorted_idx, sorted_logits)
