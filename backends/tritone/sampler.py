@@ -68,8 +68,8 @@ class Sampler:
         # distribution (kernels.sample_rows): a seeded request draws the same whatever else
         # shares the batch. Rows without top-k, top-p or min-p skip `warp` and its sorting;
         # their temperature goes to the kernel.
-        u = torch.tensor([float(torch.rand((), dtype=torch.float64, generator=r.generator)) for r in requests],
-                         dtype=torch.float64)
+        u = torch.tensor([float(torch.rand((), dtype=torch.float64, generator=r.generator, device=r.generator.device))
+                          for r in requests], dtype=torch.float64)
         inv_temperature = torch.tensor([1.0 / r.params.temperature for r in requests], dtype=torch.float32)
         warped = [i for i, r in enumerate(requests) if _warps(r.params)]
         if len(warped) == len(requests):
