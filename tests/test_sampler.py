@@ -14,7 +14,7 @@ from transformers.generation.logits_process import (
 
 from tritone.executor import kernels
 from tritone.request import Request, SamplingParams
-from tritone.sampler import Sampler, apply_bans, apply_penalties, needs_logits, warp
+from tritone.sampler import Sampler, _mask_top_k_top_p_sorted, apply_bans, apply_penalties, needs_logits, warp
 
 VOCAB = 64
 END_IDS = frozenset({2, 3})
@@ -219,8 +219,8 @@ def test_only_plain_greedy_steps_skip_the_logits(params, needed):
                                     dict(temperature=0.8, top_k=300, top_p=0.95), dict(temperature=0.9, min_p=0.05),
                                     dict(temperature=0.6, top_p=0.8, min_p=0.1)])
 def test_warping_a_large_vocabulary_matches_hugging_face(params):
-    # 5,000 tokens: top-p looks among the 1,024 most likely first. A peaked row's set lies among
-    # them; a flat row's (scaled down) reaches past them and takes the whole-vocabulary sort.
+    # 5,000 tokens, peaked rows and a flat one (scaled down), whose top-p set is most of the
+    # vocabulary: top-p alone goes to the native bucketing kernel, with top-k to torch.topk.
     gen = torch.Generator().manual_seed(7)
     logits = torch.cat([torch.randn(2, 5000, generator=gen) * 4, torch.randn(1, 5000, generator=gen) * 0.05])
     reqs = [request(PROMPT, OUTPUT, **params) for _ in range(len(logits))]
@@ -248,3 +248,18 @@ def test_the_sampling_kernel_inverts_the_cumulative_distribution(monkeypatch):
     assert all(torch.isfinite(x[torch.arange(64), got])) and got[0] == 10 and got[1] == int(probs[1].nonzero().max())
     monkeypatch.setattr(kernels, "native_library", lambda: None)
     assert (kernels.sample_rows(x, inv_t, u) == want).float().mean() > 0.95
+
+
+def test_the_top_p_kernel_keeps_what_the_sort_keeps():
+    # Rows whose boundary bucket holds one token or thousands (flat), with removed tokens and a
+    # top_p of 1 (left alone): the same tokens stay as with the whole-vocabulary sort.
+    gen = torch.Generator().manual_seed(9)
+    x = torch.cat([torch.randn(3, 8000, generator=gen) * 5, torch.randn(3, 8000, generator=gen) * 0.01,
+                   torch.randn(2, 8000, generator=gen)])
+    x[6, ::3] = float("-inf")
+    top_p = torch.tensor([0.9, 0.5, 0.999, 0.9, 0.3, 0.99, 0.8, 1.0])
+    ours = x.clone()
+    assert kernels.top_p_rows(ours, top_p)
+    want = _mask_top_k_top_p_sorted(x.clone(), torch.full((8,), 8000), top_p)
+    assert torch.equal(torch.isinf(ours), torch.isinf(want))
+    assert torch.equal(ours[7], x[7])

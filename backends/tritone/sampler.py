@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from tritone.executor.kernels import argmax_rows, sample_rows
+from tritone.executor.kernels import argmax_rows, sample_rows, top_p_rows
 from tritone.request import Request
 
 _NEG_INF = float("-inf")
@@ -123,7 +123,7 @@ def warp(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
     top_k = torch.tensor([r.params.top_k or logits.shape[1] for r in requests], device=device)
     top_p = torch.tensor([r.params.top_p for r in requests], device=device)
     min_p = torch.tensor([r.params.min_p for r in requests], device=device)
-    out = _mask_top_k_top_p_candidates(logits / temperature, top_k, top_p)
+    out = _mask_top_k_top_p(logits / temperature, top_k, top_p)
     if bool((min_p > 0).any()):
         # Min-p relative to the most likely token, which nothing removes: a token stays while
         # its probability is at least min_p times the largest, whatever the normalisation.
@@ -141,50 +141,45 @@ def _has_penalty(request: Request) -> bool:
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-# Top-p without top-k looks among this many of the most likely tokens first; a row whose set
-# reaches past them (a flat distribution) sorts its whole vocabulary.
-_CANDIDATES = 1024
-
-
-def _mask_top_k_top_p_candidates(logits, top_k, top_p):
-    """Top-k, then top-p over what top-k kept renormalised, among the row's most likely
-    tokens (torch.topk) instead of a sort of the whole vocabulary: a sort of 128 rows of a
-    49,152-token vocabulary took 270 ms here, their top 1,024 31 ms and their top 50 6 ms."""
-    rows, vocab = logits.shape
+def _mask_top_k_top_p(logits, top_k, top_p):
+    """Top-k, then top-p over what top-k kept renormalised, without sorting the vocabulary: a
+    sort of 128 rows of a 49,152-token vocabulary took 270 ms here. Rows with top-k take their
+    top_k most likely tokens (torch.topk: 6 ms for 50 of them at 128 rows) and apply top-p among
+    them; rows with top-p alone go to a native kernel that buckets the row's mass by value and
+    ranks only the bucket where top-p falls (kernels.top_p_rows), or to the sort without it."""
+    vocab = logits.shape[1]
     limited, nucleus = top_k < vocab, top_p < 1.0
-    if not bool((limited | nucleus).any()):
-        return logits
-    # Rows with top-k need their top_k tokens; rows with top-p alone, the candidates.
-    width = int(top_k[limited].max()) if bool(limited.any()) else 0
-    if not bool(limited.all()):
-        width = max(width, _CANDIDATES)
-    width = min(vocab, width)
-    values, index = logits.topk(width, dim=-1)  # descending
-    ranks = torch.arange(width, device=logits.device)[None, :]
-    values = values.masked_fill(ranks >= top_k[:, None], _NEG_INF)
-    # Probabilities over what top-k kept (the whole row where top-k is off), most likely first.
-    norm = values.logsumexp(dim=-1)
-    if not bool(limited.all()):
-        norm = torch.where(limited, norm, logits.logsumexp(dim=-1))
-    probs = torch.exp(values - norm[:, None])
-    # A token goes when the tokens above it already hold top_p of the mass; the first stays.
-    above = probs.cumsum(dim=-1) - probs
-    remove = (above >= top_p[:, None]) & nucleus[:, None]
-    remove[:, 0] = False
-    values = values.masked_fill(remove, _NEG_INF)
-    out = torch.full_like(logits, _NEG_INF).scatter_(1, index, values)
-    untouched = ~limited & ~nucleus
-    out[untouched] = logits[untouched]
-    # Where the candidates hold less than top_p, tokens past them may belong in the set.
-    short = ~limited & nucleus & (probs.sum(dim=-1) < top_p) & (width < vocab)
-    if bool(short.any()):
-        out[short] = _mask_top_k_top_p_sorted(logits[short], top_k[short], top_p[short])
+    out = logits
+    if bool(limited.any()):
+        every = bool(limited.all())
+        rows = limited.nonzero().flatten()
+        sub, k, p = (logits, top_k, top_p) if every else (logits[rows], top_k[rows], top_p[rows])
+        values, index = sub.topk(int(k.max()), dim=-1)  # descending
+        ranks = torch.arange(values.shape[1], device=logits.device)[None, :]
+        values = values.masked_fill(ranks >= k[:, None], _NEG_INF)
+        probs = torch.softmax(values, dim=-1)
+        # A token goes when the tokens above it already hold top_p of the mass; the first stays.
+        remove = (probs.cumsum(dim=-1) - probs) >= p[:, None]
+        remove[:, 0] = False
+        masked = torch.full_like(sub, _NEG_INF).scatter_(1, index, values.masked_fill(remove, _NEG_INF))
+        if every:
+            return masked
+        out[rows] = masked
+    alone = ~limited & nucleus
+    if bool(alone.any()):
+        every = bool(alone.all())
+        rows = alone.nonzero().flatten()
+        sub = logits.contiguous() if every else logits[rows].contiguous()
+        if not top_p_rows(sub, top_p[rows]):
+            sub = _mask_top_k_top_p_sorted(sub, top_k[rows], top_p[rows])
+        if every:
+            return sub
+        out[rows] = sub
     return out
 
 
 def _mask_top_k_top_p_sorted(logits, top_k, top_p):
-    """Top-k and top-p over a sort of the whole vocabulary: for rows whose top-p set reaches
-    past the candidates."""
+    """Top-k and top-p over a sort of the whole vocabulary, where the native kernels are missing."""
     # Ascending, as Hugging Face and vLLM sort, so that ties and rounding fall the same way.
     sorted_logits, sorted_idx = logits.sort(dim=-1)
     vocab = logits.shape[1]

@@ -72,6 +72,8 @@ def _build() -> ctypes.CDLL:
     lib.gemm_f32_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.sample_rows.restype = None
     lib.sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
+    lib.top_p_rows.restype = ctypes.c_int
+    lib.top_p_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     # llama_forward(model, batch, scratch, logits, greedy_ids, threads) and
@@ -179,3 +181,16 @@ def sample_rows(x: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor)
         lib.sample_rows(x.data_ptr(), x.shape[0], x.shape[1], inv_temperature.data_ptr(), u.data_ptr(),
                         out.data_ptr(), torch.get_num_threads())
     return out
+
+
+def top_p_rows(x: torch.Tensor, top_p: torch.Tensor) -> bool:
+    """Top-p of each row of x [rows, n] (float32, contiguous, CPU) in place: a token stays while
+    the more likely tokens hold less than top_p[row] of the row's mass. False where the native
+    kernels are missing or x is elsewhere (nothing done)."""
+    lib = native_library()
+    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        return False
+    top_p = top_p.to(torch.float32).contiguous()
+    if x.shape[0] and lib.top_p_rows(x.data_ptr(), x.shape[0], x.shape[1], top_p.data_ptr(), torch.get_num_threads()):
+        raise MemoryError("top_p_rows could not allocate its scratch space")
+    return True

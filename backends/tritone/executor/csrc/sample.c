@@ -9,6 +9,8 @@
  * top-k, top-p, min-p or a ban) have probability 0 and are never drawn; NaN neither. */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
 #include "vexp.h"
 
 #define BLOCK 8
@@ -81,4 +83,103 @@ void sample_rows(const float *x, int64_t rows, int64_t n, const float *inv_temp,
                  int num_threads) {
 #pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
     for (int64_t r = 0; r < rows; r++) out[r] = sample_row(x + r * n, n, inv_temp[r], u[r]);
+}
+
+/* Floats in an order-preserving unsigned key: ascending keys, ascending values. */
+static inline uint32_t order_key(float x) {
+    uint32_t bits;
+    memcpy(&bits, &x, sizeof bits);
+    return (bits & 0x80000000u) ? ~bits : bits | 0x80000000u;
+}
+
+#define TOP_P_BUCKETS 4096 /* by a key's top 12 bits */
+
+typedef struct {
+    float value;
+    int32_t index;
+} Entry;
+
+static int by_value_descending(const void *a, const void *b) {
+    const float x = ((const Entry *)a)->value, y = ((const Entry *)b)->value;
+    if (x != y) return x < y ? 1 : -1;
+    const int32_t i = ((const Entry *)a)->index, j = ((const Entry *)b)->index;
+    return i < j ? -1 : i > j;
+}
+
+/* Top-p of one row in place: a token stays while the tokens more likely than it hold less than
+ * top_p of the row's mass (the most likely always stays); the others become -inf. The tokens'
+ * weights go into buckets by their value's top bits, the bucket where the mass from the top
+ * passes top_p is sorted, and only its tokens are decided one by one. Returns -1 when out of
+ * memory. */
+static int top_p_row(float *x, int64_t n, float top_p, double *mass, Entry **boundary, int64_t *capacity) {
+    float max = -INFINITY;
+    for (int64_t j = 0; j < n; j++) max = x[j] > max ? x[j] : max;
+    if (max == -INFINITY || !(max < INFINITY)) return 0;
+    memset(mass, 0, sizeof(double) * TOP_P_BUCKETS);
+    double total = 0.0;
+    const int64_t whole = n / BLOCK * BLOCK;
+    float e[BLOCK];
+    for (int64_t j = 0; j < whole; j += BLOCK) {
+        total += block_weights(x + j, max, 1.0f, e); /* -inf and NaN weigh nothing */
+        for (int i = 0; i < BLOCK; i++)
+            if (e[i] > 0.0f) mass[order_key(x[j + i]) >> 20] += e[i];
+    }
+    for (int64_t j = whole; j < n; j++)
+        if (x[j] - max >= -87.0f) {
+            const float w = expf(x[j] - max);
+            mass[order_key(x[j]) >> 20] += w;
+            total += w;
+        }
+    const double target = (double)top_p * total;
+    double above = 0.0;
+    int b = TOP_P_BUCKETS - 1;
+    for (; b > 0 && above + mass[b] < target; b--) above += mass[b];
+    /* Buckets above b stay whole, those below go; bucket b's tokens are ranked. */
+    int64_t count = 0;
+    for (int64_t j = 0; j < n; j++) {
+        if (!(x[j] > -INFINITY)) {
+            x[j] = -INFINITY;
+            continue;
+        }
+        const int bucket = (int)(order_key(x[j]) >> 20);
+        if (bucket < b) {
+            x[j] = -INFINITY;
+        } else if (bucket == b) {
+            if (count == *capacity) {
+                const int64_t grown = *capacity ? 2 * *capacity : 1024;
+                Entry *more = realloc(*boundary, sizeof(Entry) * grown);
+                if (!more) return -1;
+                *boundary = more;
+                *capacity = grown;
+            }
+            (*boundary)[count].value = x[j];
+            (*boundary)[count++].index = (int32_t)j;
+        }
+    }
+    qsort(*boundary, count, sizeof(Entry), by_value_descending);
+    for (int64_t i = 0; i < count; i++) {
+        const Entry e = (*boundary)[i];
+        if (above >= target && e.value < max) x[e.index] = -INFINITY;
+        above += e.value - max >= -87.0f ? expf(e.value - max) : 0.0f;
+    }
+    return 0;
+}
+
+/* x: [rows, n] float32 logits, contiguous, masked in place; top_p: [rows] in (0, 1], a row with 1
+ * left as it is. Returns 0, or -1 when out of memory. */
+int top_p_rows(float *x, int64_t rows, int64_t n, const float *top_p, int num_threads) {
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) reduction(| : failed) if (rows > 1)
+    {
+        double *mass = malloc(sizeof(double) * TOP_P_BUCKETS);
+        Entry *boundary = NULL;
+        int64_t capacity = 0;
+        failed |= !mass;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t r = 0; r < rows; r++)
+            if (mass && top_p[r] < 1.0f) failed |= top_p_row(x + r * n, n, top_p[r], mass, &boundary, &capacity) != 0;
+        free(mass);
+        free(boundary);
+    }
+    return failed ? -1 : 0;
 }
