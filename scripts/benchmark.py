@@ -152,9 +152,10 @@ def hf_baseline(model_dir, prompts_ids, batch, output_len, dtype, temperature=0.
     with torch.inference_mode():
         model.generate(ids[:1], max_new_tokens=4, do_sample=False)  # warm-up
         t0 = time.perf_counter()
-        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature else {}
+        sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature else \
+            dict(do_sample=False)
         out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=output_len,
-                             min_new_tokens=output_len, **({"do_sample": False} | sampling))
+                             min_new_tokens=output_len, **sampling)
         elapsed = time.perf_counter() - t0
     assert out.shape[1] - ids.shape[1] == output_len
     return {"output_tokens_per_s": batch * output_len / elapsed, "itl_mean": elapsed / output_len,

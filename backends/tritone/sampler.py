@@ -149,33 +149,36 @@ def _mask_top_k_top_p(logits, top_k, top_p):
     ranks only the bucket where top-p falls (kernels.top_p_rows), or to the sort without it."""
     vocab = logits.shape[1]
     limited, nucleus = top_k < vocab, top_p < 1.0
-    out = logits
-    if bool(limited.any()):
-        every = bool(limited.all())
-        rows = limited.nonzero().flatten()
-        sub, k, p = (logits, top_k, top_p) if every else (logits[rows], top_k[rows], top_p[rows])
+
+    def top_k_then_top_p(sub, rows):
+        k, p = top_k[rows], top_p[rows]
         values, index = sub.topk(int(k.max()), dim=-1)  # descending
-        ranks = torch.arange(values.shape[1], device=logits.device)[None, :]
+        ranks = torch.arange(values.shape[1], device=sub.device)[None, :]
         values = values.masked_fill(ranks >= k[:, None], _NEG_INF)
         probs = torch.softmax(values, dim=-1)
         # A token goes when the tokens above it already hold top_p of the mass; the first stays.
         remove = (probs.cumsum(dim=-1) - probs) >= p[:, None]
         remove[:, 0] = False
-        masked = torch.full_like(sub, _NEG_INF).scatter_(1, index, values.masked_fill(remove, _NEG_INF))
-        if every:
-            return masked
-        out[rows] = masked
-    alone = ~limited & nucleus
-    if bool(alone.any()):
-        every = bool(alone.all())
-        rows = alone.nonzero().flatten()
-        sub = logits.contiguous() if every else logits[rows].contiguous()
-        if not top_p_rows(sub, top_p[rows]):
-            sub = _mask_top_k_top_p_sorted(sub, top_k[rows], top_p[rows])
-        if every:
-            return sub
-        out[rows] = sub
-    return out
+        return torch.full_like(sub, _NEG_INF).scatter_(1, index, values.masked_fill(remove, _NEG_INF))
+
+    def top_p_alone(sub, rows):
+        sub = sub.contiguous()
+        return sub if top_p_rows(sub, top_p[rows]) else _mask_top_k_top_p_sorted(sub, top_k[rows], top_p[rows])
+
+    out = _on_rows(logits, limited, top_k_then_top_p)
+    return _on_rows(out, ~limited & nucleus, top_p_alone)
+
+
+def _on_rows(x, selected, fn):
+    """x with fn(x[rows], rows) in the rows `selected` marks (written into x): fn(x, all rows),
+    with no copies, where it marks them all; x untouched where it marks none."""
+    if not bool(selected.any()):
+        return x
+    if bool(selected.all()):
+        return fn(x, slice(None))
+    rows = selected.nonzero().flatten()
+    x[rows] = fn(x[rows], rows)
+    return x
 
 
 def _mask_top_k_top_p_sorted(logits, top_k, top_p):

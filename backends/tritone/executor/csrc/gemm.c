@@ -108,14 +108,25 @@ static void panel_rows(const float *a, int M, int K, int N, const float *panel, 
  * 32 rows, one block, unchanged). */
 #define A_BLOCK_BYTES (192 << 10)
 
+/* Rows per block: about A_BLOCK_BYTES of A, whole tiles, at most M. */
+static int rows_per_block(int M, int K) {
+    int mc = A_BLOCK_BYTES / (K * (int)sizeof(float)) / MR * MR;
+    if (mc < MR) mc = MR;
+    return mc > M ? M : mc;
+}
+
+/* The panel a thread computes after panel p of its run [.., end): the next in the run, else the
+ * first of its next item's run, else P (none). */
+static inline int panel_after(int p, int end, int next_item, int items, int chunks, int P) {
+    return p + 1 < end ? p + 1 : next_item < items ? next_item % chunks * CHUNK : P;
+}
+
 void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
               int num_threads) {
     if (M <= 0) return;
     const int P = (N + NR - 1) / NR;
     const int chunks = (P + CHUNK - 1) / CHUNK;
-    int mc = A_BLOCK_BYTES / (K * (int)sizeof(float)) / MR * MR;
-    if (mc < MR) mc = MR;
-    if (mc > M) mc = M;
+    const int mc = rows_per_block(M, K);
     const int items = (M + mc - 1) / mc * chunks; /* item i: run i % chunks of rows block i / chunks */
     int counter = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -127,7 +138,7 @@ void gemm_f32(const float *a, const float *panels, const float *bias, float *c, 
             const int end = (chunk + 1) * CHUNK < P ? (chunk + 1) * CHUNK : P;
             for (int p = chunk * CHUNK; p < end; p++) {
                 /* the panel this thread computes next: the following one, or its next run's first */
-                const int q = p + 1 < end ? p + 1 : next_item < items ? next_item % chunks * CHUNK : P;
+                const int q = panel_after(p, end, next_item, items, chunks, P);
                 const float *panel = panels + (size_t)p * K * NR;
                 const float *next = q < P ? panels + (size_t)q * K * NR : 0;
                 const int ncols = N - p * NR < NR ? N - p * NR : NR;
@@ -174,9 +185,7 @@ int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, in
     if (M <= 0) return 0;
     const int P = (N + NR - 1) / NR;
     const int chunks = (P + CHUNK - 1) / CHUNK;
-    int mc = A_BLOCK_BYTES / (K * (int)sizeof(float)) / MR * MR;
-    if (mc < MR) mc = MR;
-    if (mc > M) mc = M;
+    const int mc = rows_per_block(M, K);
     const int items = (M + mc - 1) / mc * chunks;
     /* Each item's rows' maximum over its run of panels: [chunks, M], merged in column order. */
     float *part = malloc(sizeof(float) * (size_t)M * chunks);
@@ -200,7 +209,7 @@ int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, in
                     best_col[r] = -1;
                 }
                 for (int p = chunk * CHUNK; p < end; p++) {
-                    const int q = p + 1 < end ? p + 1 : next_item < items ? next_item % chunks * CHUNK : P;
+                    const int q = panel_after(p, end, next_item, items, chunks, P);
                     const float *panel = panels + (size_t)p * K * NR;
                     const float *next = q < P ? panels + (size_t)q * K * NR : 0;
                     const int ncols = N - p * NR < NR ? N - p * NR : NR;

@@ -1,8 +1,9 @@
-/* One categorical draw per row from softmax(x * inv_temperature): the sampler's random tokens.
+/* The sampler's row work: one categorical draw per row from softmax(x * inv_temperature)
+ * (sample_rows), and top-p without sorting the vocabulary (top_p_rows, below).
  *
  * The torch path drew one exponential per vocabulary entry per row from the request's own
  * generator and raced them (Gumbel-max): at 128 rows of a 49,152-token vocabulary that was
- * 141 ms of noise a step, more than the sorting that top-p needs. Here each row takes one
+ * 141 ms of noise a step. Here each row takes one
  * uniform u from its request's generator (drawn by the caller) and walks the inverse of its
  * distribution's cumulative sum: the first token whose running sum of exp(x - max) exceeds
  * u times the total. Two passes over the row, sums in double. Tokens at -inf (removed by
@@ -15,6 +16,16 @@
 
 #define BLOCK 8
 
+/* exp(v), or 0 below -87 (where exp would go denormal) and for -inf and NaN: a token's weight. */
+static inline float weight(float v) { return v >= -87.0f ? expf(v) : 0.0f; }
+
+/* The row's largest value, NaN ignored. */
+static float row_max(const float *x, int64_t n) {
+    float max = -INFINITY;
+    for (int64_t j = 0; j < n; j++) max = x[j] > max ? x[j] : max;
+    return max;
+}
+
 /* exp((x[j] - max) * inv_temp) for the eight entries of a block, summed in float, and each
  * entry's own value in e. Both passes call it, so that their block sums agree exactly. */
 static inline float block_weights(const float *x, float max, float inv_temp, float *e) {
@@ -24,17 +35,13 @@ static inline float block_weights(const float *x, float max, float inv_temp, flo
     const __m256 keep = _mm256_cmp_ps(v, _mm256_set1_ps(-87.0f), _CMP_GE_OQ);
     _mm256_storeu_ps(e, _mm256_and_ps(exp8(v), keep));
 #else
-    for (int i = 0; i < BLOCK; i++) {
-        const float v = (x[i] - max) * inv_temp;
-        e[i] = v >= -87.0f ? expf(v) : 0.0f;
-    }
+    for (int i = 0; i < BLOCK; i++) e[i] = weight((x[i] - max) * inv_temp);
 #endif
     return ((e[0] + e[4]) + (e[1] + e[5])) + ((e[2] + e[6]) + (e[3] + e[7]));
 }
 
 static int64_t sample_row(const float *x, int64_t n, float inv_temp, double u) {
-    float max = -INFINITY;
-    for (int64_t j = 0; j < n; j++) max = x[j] > max ? x[j] : max;
+    const float max = row_max(x, n);
     if (max == -INFINITY) return 0; /* nothing drawable: the caller's bans left no token */
     if (max == INFINITY) /* an infinite logit takes all the mass */
         for (int64_t j = 0; j < n; j++)
@@ -45,8 +52,7 @@ static int64_t sample_row(const float *x, int64_t n, float inv_temp, double u) {
     for (int64_t j = 0; j < whole; j += BLOCK) total += block_weights(x + j, max, inv_temp, e);
     double tail[BLOCK];
     for (int64_t j = whole; j < n; j++) {
-        const float v = (x[j] - max) * inv_temp;
-        tail[j - whole] = v >= -87.0f ? expf(v) : 0.0;
+        tail[j - whole] = weight((x[j] - max) * inv_temp);
         total += tail[j - whole];
     }
     const double target = u * total;
@@ -112,8 +118,7 @@ static int by_value_descending(const void *a, const void *b) {
  * passes top_p is sorted, and only its tokens are decided one by one. Returns -1 when out of
  * memory. */
 static int top_p_row(float *x, int64_t n, float top_p, double *mass, Entry **boundary, int64_t *capacity) {
-    float max = -INFINITY;
-    for (int64_t j = 0; j < n; j++) max = x[j] > max ? x[j] : max;
+    const float max = row_max(x, n);
     if (max == -INFINITY || !(max < INFINITY)) return 0;
     memset(mass, 0, sizeof(double) * TOP_P_BUCKETS);
     double total = 0.0;
@@ -124,12 +129,11 @@ static int top_p_row(float *x, int64_t n, float top_p, double *mass, Entry **bou
         for (int i = 0; i < BLOCK; i++)
             if (e[i] > 0.0f) mass[order_key(x[j + i]) >> 20] += e[i];
     }
-    for (int64_t j = whole; j < n; j++)
-        if (x[j] - max >= -87.0f) {
-            const float w = expf(x[j] - max);
-            mass[order_key(x[j]) >> 20] += w;
-            total += w;
-        }
+    for (int64_t j = whole; j < n; j++) {
+        const float w = weight(x[j] - max);
+        if (w > 0.0f) mass[order_key(x[j]) >> 20] += w;
+        total += w;
+    }
     const double target = (double)top_p * total;
     double above = 0.0;
     int b = TOP_P_BUCKETS - 1;
@@ -160,7 +164,7 @@ static int top_p_row(float *x, int64_t n, float top_p, double *mass, Entry **bou
     for (int64_t i = 0; i < count; i++) {
         const Entry e = (*boundary)[i];
         if (above >= target && e.value < max) x[e.index] = -INFINITY;
-        above += e.value - max >= -87.0f ? expf(e.value - max) : 0.0f;
+        above += weight(e.value - max);
     }
     return 0;
 }
