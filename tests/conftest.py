@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import json
+import os
 import pathlib
 import socket
 
 import pytest
 import torch
+
+# Without a GPU, Triton kernels (the CUDA attention) run in Triton's interpreter on CPU tensors.
+# Set before anything imports triton: it defines its language's helpers once, at import.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tritone.launcher import free_port
 from tritone.models import prepare_default_model

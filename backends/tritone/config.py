@@ -34,6 +34,11 @@ class EngineConfig:
     # The forward pass: native (Tritone's Llama family in one native call per step, fp32 on CPU),
     # torch (the model's modules, compiled per `compile`), or auto (native where it can run).
     forward: str = "auto"
+    # Paged attention: auto (the native kernel on CPU; on CUDA the first of flash-varlen, triton
+    # that passes a probe batch at start), or one of cpu-native, flash-varlen, triton, sdpa.
+    attention: str = "auto"
+    # CUDA graphs of decode steps: auto (on CUDA where the model and attention allow), off.
+    cuda_graphs: str = "auto"
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -44,6 +49,10 @@ class EngineConfig:
             raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
         if self.forward not in ("auto", "native", "torch"):
             raise ValueError(f"forward must be auto, native or torch, got {self.forward!r}")
+        if self.attention not in ("auto", "cpu-native", "flash-varlen", "triton", "sdpa"):
+            raise ValueError(f"attention must be auto, cpu-native, flash-varlen, triton or sdpa, got {self.attention!r}")
+        if self.cuda_graphs not in ("auto", "off"):
+            raise ValueError(f"cuda_graphs must be auto or off, got {self.cuda_graphs!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")

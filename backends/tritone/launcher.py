@@ -134,6 +134,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--forward", default="auto", choices=["auto", "native", "torch"],
                    help="native: Tritone's Llama-family model in one native call per step (fp32 on CPU); "
                         "torch: the model's torch modules (compiled per --compile); auto: native where it can run")
+    p.add_argument("--attention", default="auto", choices=["auto", "cpu-native", "flash-varlen", "triton", "sdpa"],
+                   help="paged attention kernel (auto: the native kernel on CPU; on CUDA the first of flash-varlen "
+                        "and triton that agrees with SDPA on a probe batch at start)")
+    p.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
+                   help="replay decode steps from CUDA graphs captured at start (auto: on CUDA where the model "
+                        "and attention allow; off: every step eager)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed response, except the first and the last (default 1: every token); "
                         "larger values send fewer responses, each with more text")
@@ -170,6 +176,8 @@ def template_values(args, model_dir: pathlib.Path) -> dict[str, str]:
         "num_threads": args.num_threads,
         "compile": args.compile,
         "forward": args.forward,
+        "attention": args.attention,
+        "cuda_graphs": args.cuda_graphs,
         "stream_interval": args.stream_interval,
         "enable_prefix_caching": str(not args.no_prefix_caching).lower(),
         "chat_template": args.chat_template,

@@ -37,12 +37,17 @@ class AttentionMetadata:
     seq_lens_list: list[int]
     num_decodes: int  # the first num_decodes sequences have one query token each
     block_size: int
+    # The longest query and context (host ints: the CUDA kernels size their grids by them; a
+    # captured decode graph fixes them at 1 and the model's limit).
+    max_query_len: int = 0
+    max_seq_len: int = 0
 
 
 class NativeCPUAttention:
     """The C kernel: reads the cache in place through block tables, no gather."""
 
     name = "cpu-native"
+    capturable = False
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         qf = q.float().contiguous()
@@ -58,6 +63,7 @@ class TorchSDPAAttention:
     Decodes are attended together in one padded call; prompt chunks one sequence at a time."""
 
     name = "sdpa"
+    capturable = False  # its gathers take their widths from host lists
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         out = torch.zeros_like(q)
@@ -100,12 +106,124 @@ def _gather(cache: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return rows.view(*slots.shape, *cache.shape[1:])
 
 
-def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int):
-    """The fastest attention that works here: the native kernel on CPU, SDPA elsewhere."""
-    if (device.type == "cpu" and dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0
-            and head_dim <= 256 and kernels.native_library() is not None):
-        return NativeCPUAttention()
+class TritonPagedAttention:
+    """Tritone's Triton kernel (triton_attention.py): paged, one launch per layer, capturable."""
+
+    name = "triton"
+    capturable = True
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        from tritone.executor import triton_attention
+
+        return triton_attention.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start,
+                                                meta.seq_lens, meta.block_size, meta.max_query_len, scale)
+
+
+class FlashVarlenAttention:
+    """torch's varlen_attn (its bundled FlashAttention) reading the cache as pages through the
+    block tables. The cache's rows are viewed as [num_blocks, block_size, kv_heads, D] pages, the
+    spare slot past the last block left out."""
+
+    name = "flash-varlen"
+    capturable = True
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        from torch.nn.attention.varlen import varlen_attn
+
+        bs = meta.block_size
+        num_blocks = (k_cache.shape[0] - 1) // bs
+        pages = lambda cache: cache[:num_blocks * bs].view(num_blocks, bs, *cache.shape[1:])
+        key_start = F.pad(torch.cumsum(meta.seq_lens, 0, dtype=torch.int32), (1, 0))
+        return varlen_attn(q, pages(k_cache), pages(v_cache), meta.query_start, key_start, meta.max_query_len,
+                           meta.max_seq_len, scale=scale, window_size=(-1, 0),
+                           enable_gqa=q.shape[1] != k_cache.shape[1], seqused_k=meta.seq_lens,
+                           block_table=meta.block_tables)
+
+
+def _cuda_candidates() -> list:
+    candidates = []
+    if _has_module("torch.nn.attention.varlen"):
+        candidates.append(FlashVarlenAttention())
+    if _has_module("triton"):
+        candidates.append(TritonPagedAttention())
+    return candidates
+
+
+def _has_module(name: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(name) is not None
+    except ImportError:
+        return False
+
+
+BACKENDS = {"cpu-native": NativeCPUAttention, "flash-varlen": FlashVarlenAttention, "triton": TritonPagedAttention,
+            "sdpa": TorchSDPAAttention}
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                   block_size: int, name: str = "auto"):
+    """The attention named, or for `auto` the fastest that works here: the native kernel on CPU;
+    on CUDA the first paged kernel that runs and agrees with SDPA on a probe batch of this
+    model's shape (logged, with why each one before it was passed over); SDPA where none does."""
+    if name != "auto":
+        return BACKENDS[name]()
+    if device.type == "cpu":
+        if (dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
+                and kernels.native_library() is not None):
+            return NativeCPUAttention()
+        return TorchSDPAAttention()
+    for backend in _cuda_candidates():
+        problem = probe(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+        if problem is None:
+            return backend
+        logger.info("attention %s passed over: %s", backend.name, problem)
     return TorchSDPAAttention()
+
+
+def probe_batch(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+                block_size: int, seed: int = 0):
+    """A small packed batch over a scattered paged cache: two decodes, a whole prompt, a later
+    chunk after a prefix and a one-token tail; returns (q, k_cache, v_cache, metadata)."""
+    gen = torch.Generator().manual_seed(seed)
+    layout = [(1, 3 * block_size + 1), (1, 1), (block_size + 3, block_size + 3), (5, 2 * block_size + 7), (1, 9)]
+    max_blocks = max(-(-ctx // block_size) for _, ctx in layout)
+    num_blocks = sum(-(-ctx // block_size) for _, ctx in layout) + 3
+    order = torch.randperm(num_blocks, generator=gen).int()
+    tables, used = torch.zeros(len(layout), max_blocks, dtype=torch.int32), 0
+    for i, (_, ctx) in enumerate(layout):
+        n = -(-ctx // block_size)
+        tables[i, :n] = order[used:used + n]
+        used += n
+    query_start = torch.tensor([0] + [q for q, _ in layout]).cumsum(0).int()
+    seq_lens = torch.tensor([ctx for _, ctx in layout], dtype=torch.int32)
+    rand = lambda *shape: torch.randn(*shape, generator=gen).to(dtype).to(device)
+    k_cache = rand(num_blocks * block_size + 1, num_kv_heads, head_dim)
+    v_cache = rand(num_blocks * block_size + 1, num_kv_heads, head_dim)
+    q = rand(int(query_start[-1]), num_heads, head_dim)
+    meta = AttentionMetadata(slot_mapping=None, block_tables=tables.to(device), query_start=query_start.to(device),
+                             seq_lens=seq_lens.to(device), query_start_list=query_start.tolist(),
+                             seq_lens_list=seq_lens.tolist(), num_decodes=2, block_size=block_size,
+                             max_query_len=max(q for q, _ in layout), max_seq_len=max(c for _, c in layout))
+    return q, k_cache, v_cache, meta
+
+
+def probe(backend, device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
+          block_size: int) -> str | None:
+    """None where `backend` runs on a probe batch and agrees with SDPA in float32; else why not."""
+    q, k_cache, v_cache, meta = probe_batch(device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+    scale = head_dim ** -0.5
+    try:
+        got = backend.forward(q, k_cache, v_cache, meta, scale).float()
+    except Exception as exc:  # a missing build, an unsupported shape or dtype: the next one
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"[:300]
+    want = TorchSDPAAttention().forward(q.float(), k_cache.float(), v_cache.float(), meta, scale)
+    tolerance = 1e-3 if dtype == torch.float32 else 5e-2
+    error = (got - want).abs().max().item()
+    if not error <= tolerance:
+        return f"differs from SDPA by {error:.3g} (tolerance {tolerance})"
+    return None
 
 
 @dataclass(slots=True)

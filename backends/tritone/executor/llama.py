@@ -154,7 +154,9 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 class Attention(nn.Module):
     def __init__(self, spec: LlamaSpec, layer_idx: int, dtype: torch.dtype):
         super().__init__()
-        self.register_buffer("layer_idx", torch.tensor(layer_idx), persistent=False)
+        # On the CPU wherever the model is: the attention op reads it as a host int, which on a CUDA
+        # tensor would be a device sync, forbidden inside a CUDA graph capture.
+        self.register_buffer("layer_idx", torch.tensor(layer_idx, device="cpu"), persistent=False)
         self.num_heads, self.num_kv_heads, self.head_dim = spec.num_heads, spec.num_kv_heads, spec.head_dim
         self.q_size, self.kv_size = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim
         self.scale = spec.head_dim ** -0.5

@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig
 
 from tritone.config import EngineConfig
-from tritone.executor import attention, compiler, gemm, hardware, llama, native
+from tritone.executor import attention, compiler, cuda_graphs, gemm, hardware, llama, native
 from tritone.executor.kernels import argmax_rows
 from tritone.executor.loader import load_weights
 from tritone.scheduler import SchedulerOutput
@@ -95,11 +95,13 @@ class ModelRunner:
              torch.zeros(self.spare_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
             for _ in range(text_config.num_hidden_layers)
         ]
-        self.attention = attention.select_backend(self.device, self.dtype, head_dim)
+        self.attention = attention.select_backend(self.device, self.dtype, text_config.num_attention_heads,
+                                                  num_kv_heads, head_dim, self.block_size, config.attention)
         logger.info("model %s on %s in %s, %d CPU threads, attention %s; KV cache %d blocks of %d tokens",
                     config.model, self.device, self.dtype, torch.get_num_threads(), self.attention.name,
                     self.num_blocks, self.block_size)
         self.compile_seconds = 0.0
+        self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.native = self._native_forward(config.forward)
         if self.native is None and compiler.should_compile(config.compile, self.device):
             t0 = time.perf_counter()
@@ -110,6 +112,31 @@ class ModelRunner:
                                 compiler.cache_dir())
                 else:
                     compiler.restore_eager(self.model)
+        if self.device.type == "cuda" and config.cuda_graphs == "auto":
+            self.graphs = self._capture_decode_graphs(config.max_num_seqs)
+
+    def decode_graphs(self, max_num_seqs: int, capture: bool = True) -> cuda_graphs.DecodeGraphs:
+        return cuda_graphs.DecodeGraphs(self.model, self.kv_caches, self.attention, self.block_size,
+                                        self.max_model_len, self.spare_slot, cuda_graphs.graph_sizes(max_num_seqs),
+                                        self.device, capture)
+
+    def _capture_decode_graphs(self, max_num_seqs: int) -> cuda_graphs.DecodeGraphs | None:
+        """CUDA graphs of decode steps where the model and attention allow them (logged either way);
+        a capture that fails leaves every step eager."""
+        if not isinstance(self.model, llama.LlamaForCausalLM) or not self.attention.capturable:
+            logger.info("CUDA graphs: off (%s)", "attention %s cannot be captured" % self.attention.name
+                        if isinstance(self.model, llama.LlamaForCausalLM) else "the Hugging Face fallback model")
+            return None
+        try:
+            graphs = self.decode_graphs(max_num_seqs)
+        except Exception as exc:
+            logger.warning("CUDA graph capture failed, every step runs eagerly: %s: %s", type(exc).__name__,
+                           str(exc).splitlines()[0] if str(exc) else "")
+            torch.cuda.synchronize()
+            return None
+        logger.info("CUDA graphs: %d decode batch sizes up to %d captured in %.1f s", len(graphs.sizes),
+                    graphs.sizes[-1], graphs.capture_seconds)
+        return graphs
 
     def _native_forward(self, mode: str) -> native.NativeForward | None:
         """The native forward where `mode` and the model allow it (logged either way)."""
@@ -208,11 +235,17 @@ class ModelRunner:
                  num_decodes, greedy: bool = False) -> torch.Tensor:
         if self.native is not None:
             return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices, greedy)
+        if self.graphs is not None and self.graphs.fits(len(seq_lens), num_decodes, tables.shape[1]):
+            logits = self.graphs.run(ids, positions, slots, tables, seq_lens)
+            if len(logits_indices) == len(ids):  # every decode samples: rows in order
+                return logits
+            return logits[torch.from_numpy(np.asarray(logits_indices)).to(self.device)]
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
         meta = attention.AttentionMetadata(
             slot_mapping=to(slots), block_tables=to(tables), query_start=to(query_start), seq_lens=to(seq_lens),
             query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(), num_decodes=num_decodes,
-            block_size=self.block_size)
+            block_size=self.block_size, max_query_len=int(np.diff(query_start).max()),
+            max_seq_len=int(seq_lens.max()))
         input_ids, pos, rows = to(ids), to(positions), to(logits_indices)
         with attention.forward_context(self.kv_caches, meta, self.attention):
             return self.model(input_ids, pos, rows)
