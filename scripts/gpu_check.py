@@ -1,9 +1,13 @@
-"""The executor on a CUDA device, in one short run (a few minutes):
+"""The executor on a CUDA device, in one prepared run (a few minutes):
 
 1. greedy parity: the default model in fp32 on the GPU through Tritone's engine against Hugging
-   Face `generate` on the same device, token for token, for a few prompts batched together;
-2. decode-step time of a Llama-3-8B-shaped model (random weights, bf16, built in memory) at
-   batch 1, 64 and 256 with 512 tokens of context each, in-process.
+   Face `generate` on the same device, token for token, for a few prompts batched together, with
+   the attention chosen at start and CUDA graphs, then with the Triton kernel named, then eager;
+2. decode-step time of a Llama-3-8B-shaped model (random weights, bf16, the default model's
+   vocabulary so that its tokenizer serves it) at batch 1, 64 and 256 with 512 tokens of context
+   each, in-process, replayed from CUDA graphs and eagerly;
+3. that model served: scripts/benchmark at concurrency 1 and 256 (output tok/s, latencies and
+   forward-busy), unless --no-serve.
 
 It has not yet run on a GPU: no GPU was available where it was written. Report its output.
 """
@@ -12,6 +16,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import pathlib
+import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -19,8 +26,10 @@ import time
 import numpy as np
 import torch
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 
-def parity(max_tokens: int) -> bool:
+
+def parity(max_tokens: int) -> dict[str, bool]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tritone.config import EngineConfig
@@ -32,40 +41,64 @@ def parity(max_tokens: int) -> bool:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     prompts = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a land far away,"]
     ids = [tokenizer(p).input_ids for p in prompts]
-    engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", kv_cache_bytes=1 << 30))
-    for i, p in enumerate(ids):
-        engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, end_id=-1))
-    got = {str(i): [] for i in range(len(ids))}
-    while engine.has_unfinished_requests():
-        for out in engine.step():
-            got[out.request_id] += out.new_token_ids
     hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
-    ok = True
-    for i, p in enumerate(ids):
+    refs = []
+    for p in ids:
         with torch.inference_mode():
-            ref = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens,
-                              min_new_tokens=max_tokens, do_sample=False)[0, len(p):].tolist()
-        same = ref == got[str(i)]
-        ok &= same
-        print(f"parity prompt {i}: {'equal' if same else 'DIFFERENT'}", flush=True)
-    return ok
+            refs.append(hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=max_tokens,
+                                    min_new_tokens=max_tokens, do_sample=False)[0, len(p):].tolist())
+    del hf
+    results = {}
+    for label, overrides in (("auto", {}), ("triton", {"attention": "triton"}), ("eager", {"cuda_graphs": "off"})):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", kv_cache_bytes=1 << 30,
+                                        **overrides))
+        graphs = engine.runner.graphs
+        print(f"parity [{label}]: attention {engine.runner.attention.name}, CUDA graphs "
+              f"{'%d sizes in %.1f s' % (len(graphs.sizes), graphs.capture_seconds) if graphs else 'off'}", flush=True)
+        for i, p in enumerate(ids):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, end_id=-1))
+        got = {str(i): [] for i in range(len(ids))}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                got[out.request_id] += out.new_token_ids
+        same = [refs[i] == got[str(i)] for i in range(len(ids))]
+        results[label] = all(same)
+        print(f"parity [{label}]: " + ", ".join(f"prompt {i} {'equal' if s else 'DIFFERENT'}"
+                                                for i, s in enumerate(same)), flush=True)
+        del engine
+        torch.cuda.empty_cache()
+    return results
 
 
-def step_times(batches: list[int], context: int) -> dict[int, float]:
+def build_8b_shaped(path: pathlib.Path) -> None:
+    """Random bf16 weights in Llama-3-8B's shape, with the default model's tokenizer and vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    from tritone.models import prepare_default_model
+
+    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
+                         num_key_value_heads=8, vocab_size=49152, max_position_embeddings=8192,
+                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0}, bos_token_id=1,
+                         eos_token_id=2)
+    with torch.device("cuda"):
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(path)
+    default = prepare_default_model()
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "generation_config.json"):
+        if (default / name).exists():
+            shutil.copy(default / name, path / name)
+    torch.cuda.empty_cache()
+
+
+def step_times(model_dir: pathlib.Path, batches: list[int], context: int) -> dict[str, dict[int, float]]:
     from tritone.config import EngineConfig
     from tritone.executor import ModelRunner
 
-    config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-                         num_key_value_heads=8, vocab_size=128256, max_position_embeddings=8192,
-                         rope_parameters={"rope_type": "default", "rope_theta": 500000.0})
-    with tempfile.TemporaryDirectory() as tmp:
-        with torch.device("cuda"):
-            LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp)
-        torch.cuda.empty_cache()
-        runner = ModelRunner(EngineConfig(model=tmp, device="cuda", dtype="bfloat16", kv_cache_fraction=0.5))
-    times = {}
+    runner = ModelRunner(EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", kv_cache_fraction=0.5,
+                                      max_num_seqs=max(batches)))
+    graphs = runner.graphs
+    print(f"8B-shaped: attention {runner.attention.name}, CUDA graphs "
+          f"{'%d sizes in %.1f s' % (len(graphs.sizes), graphs.capture_seconds) if graphs else 'off'}", flush=True)
+    times = {"graphs": {}, "eager": {}}
     for batch in batches:
         bs = runner.block_size
         blocks = -(-context // bs)
@@ -73,16 +106,30 @@ def step_times(batches: list[int], context: int) -> dict[int, float]:
         args = (np.zeros(batch, np.int64), np.full(batch, context - 1, np.int64),
                 np.full(batch, runner.spare_slot, np.int64), tables, np.arange(batch + 1, dtype=np.int32),
                 np.full(batch, context, np.int32), np.arange(batch), batch)
-        runner._forward(*args)
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        for _ in range(10):
+        for mode in ("graphs", "eager") if graphs else ("eager",):
+            runner.graphs = graphs if mode == "graphs" else None
             runner._forward(*args)
-        torch.cuda.synchronize()
-        times[batch] = (time.perf_counter() - t0) / 10
-        print(f"decode step, batch {batch}, context {context}: {1000 * times[batch]:.1f} ms "
-              f"({batch / times[batch]:.0f} tok/s)", flush=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(10):
+                runner._forward(*args)
+            torch.cuda.synchronize()
+            times[mode][batch] = (time.perf_counter() - t0) / 10
+            print(f"decode step, batch {batch}, context {context}, {mode}: {1000 * times[mode][batch]:.2f} ms "
+                  f"({batch / times[mode][batch]:.0f} tok/s)", flush=True)
+    del runner
+    torch.cuda.empty_cache()
     return times
+
+
+def serve(model_dir: pathlib.Path, json_path: pathlib.Path) -> dict:
+    """scripts/benchmark against the 8B-shaped model served on the GPU: its own report, printed."""
+    cmd = [str(ROOT / "scripts" / "benchmark"), "--model", str(model_dir), "--concurrency", "1", "256",
+           "--hf-batches", "--dtype", "bfloat16", "--output-len", "128", "--json", str(json_path),
+           "--server-args", "--device cuda --max-num-seqs 256 --openai-port 0"]
+    print("served: " + " ".join(cmd), flush=True)
+    subprocess.run(cmd, check=True)
+    return json.loads(json_path.read_text())["tritone"]
 
 
 def main(argv=None) -> int:
@@ -90,18 +137,26 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--batches", type=int, nargs="+", default=[1, 64, 256])
     p.add_argument("--context", type=int, default=512)
+    p.add_argument("--no-serve", action="store_true", help="skip the served benchmark")
     p.add_argument("--json", help="write the figures here")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         print("error: no CUDA device visible to torch", file=sys.stderr)
         return 2
     print(f"device: {torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    ok = parity(args.max_tokens)
-    times = step_times(args.batches, args.context)
+    t0 = time.perf_counter()
+    figures = {"parity": parity(args.max_tokens)}
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = pathlib.Path(tmp) / "llama-8b-shaped"
+        build_8b_shaped(model_dir)
+        figures["step_seconds"] = step_times(model_dir, args.batches, args.context)
+        if not args.no_serve:
+            figures["served"] = serve(model_dir, pathlib.Path(tmp) / "served.json")
+    print(f"gpu_check done in {time.perf_counter() - t0:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"parity": ok, "step_seconds": times}, f, indent=2)
-    return 0 if ok else 1
+            json.dump(figures, f, indent=2)
+    return 0 if all(figures["parity"].values()) else 1
 
 
 if __name__ == "__main__":
