@@ -205,7 +205,7 @@ def test_a_failed_step_fails_every_request_frees_every_block_and_leaves_no_hash(
     engine = make_engine(model_dir)
     collector = Collector()
 
-    def broken_run(model_input, greedy=False):
+    def broken_run(model_input, greedy=False, prev=None):
         raise RuntimeError("injected step fault")
 
     monkeypatch.setattr(engine.runner, "execute", broken_run)
@@ -280,7 +280,7 @@ def test_a_dead_engine_thread_fails_its_requests_refuses_new_ones_and_is_reporte
     collector = Collector()
     started = threading.Event()
 
-    def broken_run(model_input, greedy=False):
+    def broken_run(model_input, greedy=False, prev=None):
         started.wait()
         raise SystemExit(3) if fault.startswith("step") else RuntimeError("injected step fault")
 

@@ -104,7 +104,7 @@ def test_native_forward_logits_match_the_torch_modules(tiny):
                                         max_num_batched_tokens=24, forward=forward, compile="off"))
         steps = logits[forward] = []
         execute = engine.runner.execute
-        engine.runner.execute = lambda model_input, greedy: steps.append(execute(model_input, greedy)) or steps[-1]
+        engine.runner.execute = lambda *args: steps.append(execute(*args)) or steps[-1]
         shared = prompts(1)[0] * 2  # the second request repeats the first's prompt: a prefix hit
         for i, ids in enumerate([shared, prompts(3)[2], shared + [7, 8, 9]]):
             # Log probabilities asked for: the step needs the logits, not only the greedy tokens.

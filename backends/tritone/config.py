@@ -39,6 +39,8 @@ class EngineConfig:
     attention: str = "auto"
     # CUDA graphs of decode steps: auto (on CUDA where the model and attention allow), off.
     cuda_graphs: str = "auto"
+    # Schedule and prepare step N + 1 while the device computes step N: auto (on CUDA), on, off.
+    async_scheduling: str = "auto"
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -51,6 +53,8 @@ class EngineConfig:
             raise ValueError(f"forward must be auto, native or torch, got {self.forward!r}")
         if self.attention not in ("auto", "cpu-native", "flash-varlen", "triton", "sdpa"):
             raise ValueError(f"attention must be auto, cpu-native, flash-varlen, triton or sdpa, got {self.attention!r}")
+        if self.async_scheduling not in ("auto", "on", "off"):
+            raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.cuda_graphs not in ("auto", "off"):
             raise ValueError(f"cuda_graphs must be auto or off, got {self.cuda_graphs!r}")
         for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):

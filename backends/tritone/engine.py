@@ -10,13 +10,14 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+import numpy as np
 import torch
 from transformers import GenerationConfig
 
 from tritone.block_manager import BlockManager
 from tritone.config import EngineConfig
 from tritone.executor import ModelRunner
-from tritone.request import FinishReason, Request, RequestOutput, SamplingParams
+from tritone.request import PENDING_TOKEN, FinishReason, Request, RequestOutput, SamplingParams
 from tritone.sampler import Sampler, needs_logits
 from tritone.scheduler import Scheduler
 
@@ -80,6 +81,11 @@ class LLMEngine:
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
+        # Overlap the host's work for step N + 1 with the device's for step N: where the device
+        # runs asynchronously (CUDA), unless configured off; `on` elsewhere runs the same logic.
+        self.async_scheduling = config.async_scheduling == "on" or (
+            config.async_scheduling == "auto" and self.runner.device.type == "cuda")
+        self._in_flight: _InFlight | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -114,7 +120,8 @@ class LLMEngine:
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-        generator = torch.Generator(device=self.runner.device).manual_seed(seed)
+        # On the host whatever the device: a draw from it is no device sync.
+        generator = torch.Generator().manual_seed(seed)
         if params.end_id == -1:
             end_ids = frozenset()
         elif params.end_id is not None:
@@ -140,53 +147,113 @@ class LLMEngine:
         return output
 
     def has_unfinished_requests(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or self._in_flight is not None
 
     @torch.inference_mode()  # the runner's logits are inference tensors, and the sampler edits them
     def step(self) -> list[RequestOutput]:
+        """Runs one step and returns its outputs. With async scheduling, it launches this step and
+        returns the previous one's outputs: the device computes step N while the host schedules
+        and prepares N + 1 and then updates N (see `_launch`)."""
+        if not self.async_scheduling:
+            launched = self._launch()
+            return self._collect(launched) if launched is not None else []
+        outputs = []
+        if self._in_flight is not None and any(_reads_history(r) for r in self._in_flight.requests):
+            # Penalties and bad words read the tokens that are still on the device: take them first.
+            outputs = self._collect(self._in_flight)
+            self._in_flight = None
+        launched = self._launch()
+        if self._in_flight is not None:
+            outputs = self._collect(self._in_flight)
+        self._in_flight = launched
+        return outputs
+
+    def drop_in_flight(self) -> None:
+        """Forgets the step in flight (after its requests were all aborted)."""
+        self._in_flight = None
+
+    def _launch(self) -> "_InFlight | None":
+        """Schedules, prepares and starts a step: its forward pass and sampling are queued on the
+        device (done by return on CPU), its sampled tokens stand in each request's output as
+        placeholders until `_collect`. A token still in flight from the step before enters this
+        step's inputs on the device, never through the host."""
         t0 = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch.is_empty:
-            return []
+            return None
         # Requests whose scheduled tokens reach their end sample a token; unfinished prompt
         # chunks only fill the cache.
         sample_rows = [i for i, s in enumerate(batch.scheduled)
                        if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         t1 = time.perf_counter()
         model_input = self.runner.prepare(batch, sample_rows)
+        prev = self._pending_inputs(batch, model_input[4]) if self._in_flight is not None else None
         t2 = time.perf_counter()
         sample_requests = [batch.scheduled[i].request for i in sample_rows]
         greedy = bool(sample_requests) and not needs_logits(sample_requests)
-        out = self.runner.execute(model_input, greedy)
+        out = self.runner.execute(model_input, greedy, prev)
         t3 = time.perf_counter()
-        if greedy:
-            token_ids, log_probs = out.tolist(), [0.0] * len(sample_requests)
+        if greedy or not sample_requests:
+            token_ids, log_probs = out, None
         else:
-            token_ids, log_probs = self.sampler(out, sample_requests) if sample_requests else ([], [])
-        t4 = time.perf_counter()
+            token_ids, log_probs = self.sampler.sample(out, sample_requests)
+        handle = self.runner.finish_step(token_ids, log_probs, len(sample_requests))
         for item in batch.scheduled:
             request, start = item.request, item.request.num_computed_tokens
             self.stats.num_prompt_tokens += max(0, min(start + item.num_tokens, request.num_prompt_tokens) - start)
+            # Counted as computed now: whatever reads this KV runs after it on the device.
             request.num_computed_tokens += item.num_tokens
-            self.block_manager.cache_computed_blocks(request)  # its KV is written now
-        outputs = self._update(sample_requests, token_ids, log_probs)
-        t5 = time.perf_counter()
-        self.stats.num_steps += 1
+        indices = []
+        for request in sample_requests:
+            indices.append(len(request.output_ids))
+            request.output_ids.append(PENDING_TOKEN)
+            request.output_log_probs.append(0.0)
+            request.num_pending_tokens += 1
+        t4 = time.perf_counter()
         phases = self.stats.phase_seconds
         phases["schedule"] += t1 - t0
         phases["prepare"] += t2 - t1
         phases["forward"] += t3 - t2
         phases["sample"] += t4 - t3
-        phases["update"] += t5 - t4
-        return outputs
+        return _InFlight(handle, batch.scheduled, sample_requests, indices,
+                         {id(r): row for row, r in enumerate(sample_requests)})
 
-    def _update(self, requests: list[Request], token_ids: list[int], log_probs: list[float]) -> list[RequestOutput]:
-        """The one loop over a step's sampled tokens: append, check stop conditions, finish."""
+    def _pending_inputs(self, batch, query_start) -> tuple | None:
+        """(the step in flight's sampled ids, their rows there, the rows of this step's input ids
+        they fill): for each request whose last token is still on the device and is an input now."""
+        row_of = self._in_flight.row_of
+        src, dst = [], []
+        for i, item in enumerate(batch.scheduled):
+            request = item.request
+            row = row_of.get(id(request))
+            if row is None or request.num_pending_tokens == 0:
+                continue
+            position = request.num_tokens - 1  # the placeholder is the last token
+            start = request.num_computed_tokens
+            if start <= position < start + item.num_tokens:
+                src.append(row)
+                dst.append(int(query_start[i]) + position - start)
+        if not src:
+            return None
+        return self._in_flight.handle.token_ids, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+
+    def _collect(self, launched: "_InFlight") -> list[RequestOutput]:
+        """Waits for a launched step's tokens and applies them: the one loop over a step's
+        sampled tokens (fill the placeholder, check stop conditions, finish)."""
+        t0 = time.perf_counter()
+        token_ids, log_probs = launched.handle.result()
+        t1 = time.perf_counter()
+        for item in launched.scheduled:
+            if not item.request.is_finished:
+                self.block_manager.cache_computed_blocks(item.request)  # its KV is written now
         outputs = []
         now = time.monotonic()
-        for request, token_id, log_prob in zip(requests, token_ids, log_probs):
-            request.output_ids.append(token_id)
-            request.output_log_probs.append(log_prob)
+        for request, index, token_id, log_prob in zip(launched.requests, launched.indices, token_ids, log_probs):
+            if request.is_finished:
+                continue  # aborted, or ended by its previous token: this one is dropped
+            request.num_pending_tokens -= 1
+            request.output_ids[index] = token_id
+            request.output_log_probs[index] = log_prob
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.stats.time_to_first_token.append(now - request.arrival_time)
@@ -195,24 +262,30 @@ class LLMEngine:
             request.last_token_time = now
             self.stats.num_generation_tokens += 1
             new_ids, new_lps = [token_id], [log_prob]
-            reason = self._stop_reason(request)
+            reason = self._stop_reason(request, index + 1)
             if reason is not None:
+                # The end id is not part of the output (stop words are text-level, matched by
+                # the llm model's ResponseStream); a token launched after this one is dropped.
+                keep = index if reason == FinishReason.STOP else index + 1
                 if reason == FinishReason.STOP:
-                    # The end id is not part of the output (stop words are text-level, matched
-                    # by the llm model's ResponseStream).
-                    request.output_ids.pop()
-                    request.output_log_probs.pop()
                     new_ids, new_lps = [], []
+                del request.output_ids[keep:]
+                del request.output_log_probs[keep:]
+                request.num_pending_tokens = 0
                 self.scheduler.finish(request, reason)
                 del self.requests[request.request_id]
             outputs.append(self._output(request, new_ids, new_lps))
+        t2 = time.perf_counter()
+        self.stats.num_steps += 1
+        self.stats.phase_seconds["forward"] += t1 - t0  # the device's time not hidden behind the host's
+        self.stats.phase_seconds["update"] += t2 - t1
         return outputs
 
-    def _stop_reason(self, request: Request) -> FinishReason | None:
-        output = request.output_ids
-        if len(output) >= request.params.min_tokens and output[-1] in request.end_ids:
+    def _stop_reason(self, request: Request, num_output: int) -> FinishReason | None:
+        """Why the request ends at its output token number `num_output` (its last one resolved)."""
+        if num_output >= request.params.min_tokens and request.output_ids[num_output - 1] in request.end_ids:
             return FinishReason.STOP
-        if len(output) >= request.params.max_tokens:
+        if num_output >= request.params.max_tokens:
             return FinishReason.LENGTH
         return None
 
@@ -222,10 +295,28 @@ class LLMEngine:
             new_token_ids=new_ids,
             new_log_probs=new_lps,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
+            num_output_tokens=request.num_output_tokens - request.num_pending_tokens,
             finished=request.is_finished,
             finish_reason=request.finish_reason,
         )
+
+
+@dataclass(slots=True)
+class _InFlight:
+    """A launched step, until its tokens are collected."""
+
+    handle: object  # the runner's StepHandle: sampled ids on the device, and `result()`
+    scheduled: list
+    requests: list[Request]  # the requests that sample, in the handle's row order
+    indices: list[int]  # where each one's placeholder stands in its output_ids
+    row_of: dict[int, int]  # id(request) -> its row in the handle
+
+
+def _reads_history(request: Request) -> bool:
+    """Whether sampling the request reads its earlier output tokens (penalties, bad words)."""
+    p = request.params
+    return bool(p.bad_token_ids) or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
+        or p.frequency_penalty != 0.0
 
 
 @dataclass(slots=True)
@@ -408,8 +499,10 @@ class AsyncEngine:
             self._outbox.put([output or _error_output(item, f"engine error: {exc}")])
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
-        return [self.engine.abort_request(request_id, FinishReason.ERROR, message)
-                for request_id in list(self.engine.requests)]
+        outputs = [self.engine.abort_request(request_id, FinishReason.ERROR, message)
+                   for request_id in list(self.engine.requests)]
+        self.engine.drop_in_flight()
+        return outputs
 
     def _die(self, message: str, send: bool) -> None:
         """Fails every request the engine holds or has not yet taken in, without trusting the

@@ -140,6 +140,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cuda-graphs", default="auto", choices=["auto", "off"],
                    help="replay decode steps from CUDA graphs captured at start (auto: on CUDA where the model "
                         "and attention allow; off: every step eager)")
+    p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
+                   help="schedule and prepare step N+1 while the device computes step N (auto: on CUDA, where the "
+                        "device runs asynchronously; on CPU each step would only come back one step later)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed response, except the first and the last (default 1: every token); "
                         "larger values send fewer responses, each with more text")
@@ -178,6 +181,7 @@ def template_values(args, model_dir: pathlib.Path) -> dict[str, str]:
         "forward": args.forward,
         "attention": args.attention,
         "cuda_graphs": args.cuda_graphs,
+        "async_scheduling": args.async_scheduling,
         "stream_interval": args.stream_interval,
         "enable_prefix_caching": str(not args.no_prefix_caching).lower(),
         "chat_template": args.chat_template,

@@ -84,6 +84,10 @@ class SamplingParams:
                 raise ValueError("bad_token_ids holds an empty or out-of-vocabulary sequence")
 
 
+# Stands in output_ids for a token that the device has sampled and the host not yet seen.
+PENDING_TOKEN = -1
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     request_id: str
@@ -109,6 +113,9 @@ class Request:
     end_ids: frozenset[int] = frozenset()
     first_token_time: float | None = None
     last_token_time: float = 0.0
+    # Output tokens launched but not yet back from the device (async scheduling): their places
+    # in output_ids hold PENDING_TOKEN.
+    num_pending_tokens: int = 0
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -48,6 +48,12 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
         """Returns one token id per row of `logits` [B, V] and its log-probability (under the
         distribution after penalties and bans, before temperature, top-k, top-p and min-p)."""
+        token_ids, log_probs = self.sample(logits, requests)
+        return token_ids.tolist(), log_probs.tolist() if log_probs is not None else [0.0] * len(requests)
+
+    def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """As `__call__`, as tensors on the logits' device: [B] int64 ids, and [B] float32
+        log-probabilities where a request asked for them (else None)."""
         logits = logits.float()
         apply_penalties(logits, requests)
         apply_bans(logits, requests)
@@ -57,19 +63,18 @@ class Sampler:
             sampled_rows = (~greedy).nonzero().flatten().tolist()
             sampled = self._sample(logits[sampled_rows], [requests[i] for i in sampled_rows])
             token_ids[sampled_rows] = sampled
+        log_probs = None
         if any(r.params.return_log_probs for r in requests):
-            log_probs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).flatten().tolist()
-        else:
-            log_probs = [0.0] * len(requests)
-        return token_ids.tolist(), log_probs
+            log_probs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).flatten()
+        return token_ids, log_probs
 
     def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
         # One uniform per row from the request's own generator, inverted through the row's
         # distribution (kernels.sample_rows): a seeded request draws the same whatever else
         # shares the batch. Rows without top-k, top-p or min-p skip `warp` and its sorting;
         # their temperature goes to the kernel.
-        u = torch.tensor([float(torch.rand((), dtype=torch.float64, generator=r.generator, device=r.generator.device))
-                          for r in requests], dtype=torch.float64)
+        u = torch.tensor([float(torch.rand((), dtype=torch.float64, generator=r.generator)) for r in requests],
+                         dtype=torch.float64)
         inv_temperature = torch.tensor([1.0 / r.params.temperature for r in requests], dtype=torch.float32)
         warped = [i for i, r in enumerate(requests) if _warps(r.params)]
         if len(warped) == len(requests):

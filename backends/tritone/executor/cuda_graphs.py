@@ -82,9 +82,9 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-            seq_lens: np.ndarray) -> torch.Tensor:
+            seq_lens: np.ndarray, prev: tuple | None = None) -> torch.Tensor:
         """Logits [n, vocab] of a step of n decodes (one token per sequence); valid until the
-        next call, which may overwrite them."""
+        next call, which may overwrite them. `prev` as ModelRunner.execute's."""
         n = len(ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         host = lambda a: torch.from_numpy(np.ascontiguousarray(a))
@@ -93,6 +93,9 @@ class DecodeGraphs:
         self.slots[:n].copy_(host(slots), non_blocking=True)
         self.tables[:n, :tables.shape[1]].copy_(host(tables), non_blocking=True)
         self.seq_lens[:n].copy_(host(seq_lens), non_blocking=True)
+        if prev is not None:
+            device = self.ids.device
+            self.ids[host(prev[2]).to(device)] = prev[0][host(prev[1]).to(device)]
         if size > n:
             self.ids[n:size] = 0
             self.positions[n:size] = 0

@@ -73,6 +73,33 @@ def prepack_linears(model: torch.nn.Module, dtype: torch.dtype) -> None:
             m.prepack(single, batch)
 
 
+class StepHandle:
+    """A launched step's sampled ids and log-probabilities: on the device (where the next step's
+    inputs read them) and, once `result()` returns, on the host. On CUDA the copy to the host is
+    queued behind the step, so launching costs no wait."""
+
+    def __init__(self, token_ids: torch.Tensor | None, log_probs: torch.Tensor | None, num_rows: int):
+        self.token_ids, self.num_rows = token_ids, num_rows
+        self._event = None
+        self._host_ids, self._host_log_probs = token_ids, log_probs
+        if token_ids is not None and token_ids.is_cuda:
+            self._host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
+            self._host_ids.copy_(token_ids, non_blocking=True)
+            if log_probs is not None:
+                self._host_log_probs = torch.empty(log_probs.shape, dtype=log_probs.dtype, pin_memory=True)
+                self._host_log_probs.copy_(log_probs, non_blocking=True)
+            self._event = torch.cuda.Event()
+            self._event.record()
+
+    def result(self) -> tuple[list[int], list[float]]:
+        if self._event is not None:
+            self._event.synchronize()
+        if self._host_ids is None:
+            return [], []
+        log_probs = self._host_log_probs.tolist() if self._host_log_probs is not None else [0.0] * self.num_rows
+        return self._host_ids.tolist(), log_probs
+
+
 class ModelRunner:
     def __init__(self, config: EngineConfig):
         self.device = hardware.resolve_device(config.device)
@@ -220,23 +247,32 @@ class ModelRunner:
         return (np.asarray(ids, dtype=np.int64), positions, slots, tables, query_start.astype(np.int32),
                 seq_lens.astype(np.int32), logits_indices, num_decodes)
 
-    def execute(self, model_input: tuple, greedy: bool = False) -> torch.Tensor:
+    def execute(self, model_input: tuple, greedy: bool = False, prev: tuple | None = None) -> torch.Tensor:
         """Computes the scheduled tokens; returns logits [len(sample_rows), vocab] float32 at the
         last scheduled token of each request `batch.scheduled[i]` for i in sample_rows, or where
         `greedy`, those rows' greedy tokens [len(sample_rows)] int64 (the native forward then
-        never writes the logits)."""
+        never writes the logits). `prev`: (a step's sampled ids on the device, rows of them,
+        rows of this step's input ids they fill), for tokens the host has not seen yet."""
+        if prev is not None:
+            model_input = model_input + (prev,)
         if greedy and self.native is not None:
             return self._forward(*model_input, greedy=True)
         logits = self._forward(*model_input)
         return argmax_rows(logits) if greedy else logits
 
+    def finish_step(self, token_ids: torch.Tensor, log_probs: torch.Tensor | None, num_rows: int) -> "StepHandle":
+        return StepHandle(token_ids, log_probs, num_rows)
+
     @torch.inference_mode()
     def _forward(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices,
-                 num_decodes, greedy: bool = False) -> torch.Tensor:
+                 num_decodes, prev=None, greedy: bool = False) -> torch.Tensor:
         if self.native is not None:
+            if prev is not None:
+                ids = ids.copy()
+                ids[prev[2]] = prev[0].cpu().numpy()[prev[1]]
             return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices, greedy)
         if self.graphs is not None and self.graphs.fits(len(seq_lens), num_decodes, tables.shape[1]):
-            logits = self.graphs.run(ids, positions, slots, tables, seq_lens)
+            logits = self.graphs.run(ids, positions, slots, tables, seq_lens, prev)
             if len(logits_indices) == len(ids):  # every decode samples: rows in order
                 return logits
             return logits[torch.from_numpy(np.asarray(logits_indices)).to(self.device)]
@@ -247,5 +283,7 @@ class ModelRunner:
             block_size=self.block_size, max_query_len=int(np.diff(query_start).max()),
             max_seq_len=int(seq_lens.max()))
         input_ids, pos, rows = to(ids), to(positions), to(logits_indices)
+        if prev is not None:
+            input_ids[to(prev[2])] = prev[0][to(prev[1])]
         with attention.forward_context(self.kv_caches, meta, self.attention):
             return self.model(input_ids, pos, rows)
