@@ -78,6 +78,28 @@ def test_preemption_under_a_tiny_cache_keeps_answers(model_dir, prompt_ids, expe
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_persistent_block_tables_follow_the_requests_blocks(model_dir, prompt_ids, expected):
+    """Each step's block table is gathered from rows kept since earlier steps: under preemption,
+    prefix hits and more requests over time than rows, it must equal every scheduled request's
+    block list where the step reads it."""
+    per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), torch.float32)
+    engine = make_engine(model_dir, block_size=4, kv_cache_bytes=28 * 4 * per_token, max_num_seqs=6)
+    prepare, checked = engine.runner.prepare, []
+
+    def checking_prepare(batch, sample_rows):
+        model_input = prepare(batch, sample_rows)
+        tables, seq_lens = model_input[3], model_input[5]
+        for i, item in enumerate(batch.scheduled):
+            n = -(-int(seq_lens[i]) // 4)
+            assert tables[i, :n].tolist() == item.request.block_ids[:n]
+            checked.append(item.request.block_table_row)
+        return model_input
+
+    engine.runner.prepare = checking_prepare
+    assert run_staggered(engine, prompt_ids, every=1) == expected
+    assert engine.scheduler.num_preemptions > 0 and set(checked) == set(range(6))
+
+
 def test_chunked_prefill_of_a_prompt_longer_than_the_budget(model_dir, hf_model, tokenizer):
     ids = tokenizer(" ".join(PROMPTS)).input_ids
     assert len(ids) > 64

@@ -116,6 +116,8 @@ class Request:
     # Output tokens launched but not yet back from the device (async scheduling): their places
     # in output_ids hold PENDING_TOKEN.
     num_pending_tokens: int = 0
+    # The runner's block-table row while it runs (-1: none yet).
+    block_table_row: int = -1
 
     @property
     def num_prompt_tokens(self) -> int:

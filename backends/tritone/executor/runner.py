@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig
 
 from tritone.config import EngineConfig
-from tritone.executor import attention, compiler, cuda_graphs, gemm, hardware, llama, native
+from tritone.executor import attention, block_table, compiler, cuda_graphs, gemm, hardware, llama, native
 from tritone.executor.kernels import argmax_rows
 from tritone.executor.loader import load_weights
 from tritone.scheduler import SchedulerOutput
@@ -117,6 +117,7 @@ class ModelRunner:
         num_kv_heads, head_dim = kv_head_shape(text_config)
         # One slot past the last block takes the keys and values of the warm-up's tokens.
         self.spare_slot = self.num_blocks * self.block_size
+        self.block_rows = block_table.BlockTableRows(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self.kv_caches = [
             (torch.zeros(self.spare_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device),
              torch.zeros(self.spare_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
@@ -229,17 +230,18 @@ class ModelRunner:
         num_tokens = int(query_start[-1])
         bs = self.block_size
         max_blocks = int(-(-seq_lens.max() // bs))
-        tables = np.zeros((num_seqs, max_blocks), dtype=np.int32)
+        rows = np.empty(num_seqs, dtype=np.int64)
+        row_of = self.block_rows.row_of
         ids = []
         num_decodes = 0
         # The one loop over the batch's requests.
         for i, item in enumerate(scheduled):
             request, start = item.request, int(starts[i])
             ids.extend(request.tokens_slice(start, start + item.num_tokens))
-            row = request.block_ids[: -(-int(seq_lens[i]) // bs)]
-            tables[i, :len(row)] = row
+            rows[i] = row_of(request)
             if item.num_tokens == 1 and num_decodes == i:
                 num_decodes += 1
+        tables = self.block_rows.table[rows, :max_blocks]
         seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
         positions = np.arange(num_tokens) - query_start[seq_of_token] + starts[seq_of_token]
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
