@@ -84,9 +84,9 @@ def test_decode_steps_through_graph_buffers_equal_hugging_face(name, tmp_path):
     buffers: three requests padded to the graph of four, then two (a request ends early),
     and prompt chunks eagerly in between."""
     _, path, hf = build_tiny(name, tmp_path)
-    engine = LLMEngine(EngineConfig(model=str(path), device=DEVICE.type, dtype="float32", kv_cache_bytes=8 << 20, block_size=4,
-                                    max_num_batched_tokens=32, max_num_seqs=8, forward="torch", compile="off",
-                                    attention="triton"))
+    engine = LLMEngine(EngineConfig(model=str(path), device=DEVICE.type, dtype="float32", kv_cache_bytes=8 << 20,
+                                    block_size=4, max_num_batched_tokens=32, max_num_seqs=8, forward="torch",
+                                    compile="off", attention="triton"))
     runner = engine.runner
     assert runner.attention.name == "triton"
     # Captured where there is a GPU; on CPU, the same buffers and padding without the capture.

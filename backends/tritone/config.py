@@ -52,7 +52,8 @@ class EngineConfig:
         if self.forward not in ("auto", "native", "torch"):
             raise ValueError(f"forward must be auto, native or torch, got {self.forward!r}")
         if self.attention not in ("auto", "cpu-native", "flash-varlen", "triton", "sdpa"):
-            raise ValueError(f"attention must be auto, cpu-native, flash-varlen, triton or sdpa, got {self.attention!r}")
+            raise ValueError(f"attention must be auto, cpu-native, flash-varlen, triton or sdpa, "
+                             f"got {self.attention!r}")
         if self.async_scheduling not in ("auto", "on", "off"):
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.cuda_graphs not in ("auto", "off"):

@@ -295,7 +295,7 @@ class LLMEngine:
             new_token_ids=new_ids,
             new_log_probs=new_lps,
             num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens - request.num_pending_tokens,
+            num_output_tokens=request.num_output_tokens,
             finished=request.is_finished,
             finish_reason=request.finish_reason,
         )

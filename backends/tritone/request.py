@@ -125,7 +125,8 @@ class Request:
 
     @property
     def num_output_tokens(self) -> int:
-        return len(self.output_ids)
+        """Output tokens the host has (placeholders of tokens still on the device not counted)."""
+        return len(self.output_ids) - self.num_pending_tokens
 
     @property
     def num_tokens(self) -> int:

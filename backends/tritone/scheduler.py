@@ -64,7 +64,7 @@ class Scheduler:
             if request.status != RequestStatus.RUNNING:
                 continue  # preempted earlier in this loop
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if num_new <= 0 or (request.num_pending_tokens and request.num_output_tokens >= request.params.max_tokens):
+            if num_new <= 0 or (request.num_pending_tokens and len(request.output_ids) >= request.params.max_tokens):
                 # (Or its last token is still on the device: it ends when that comes back.)
                 running.append(request)
                 continue
