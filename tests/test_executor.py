@@ -121,8 +121,8 @@ def test_native_forward_asked_for_where_it_cannot_run(tmp_path):
     with pytest.raises(ValueError, match="forward native: the model runs on Hugging Face's modules"):
         engine_greedy(path, prompts(1), forward="native")
     _, path, _ = build_tiny("qwen2", tmp_path / "qwen2")
-    with pytest.raises(ValueError, match="forward native: it runs float32, not bfloat16"):
-        engine_greedy(path, prompts(1), forward="native", dtype="bfloat16")
+    with pytest.raises(ValueError, match="forward native: it runs float32 or bfloat16, not float16"):
+        engine_greedy(path, prompts(1), forward="native", dtype="float16")
 
 
 def test_compile_cache_lies_under_tritones_cache(tmp_path):
@@ -218,23 +218,81 @@ def test_gemm_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
     assert gemm.choose({(64, 96), (96, 64)}, torch.float32, path) == first and len(calls) == 2
 
 
+needs_bf16_gemm = pytest.mark.skipif(not kernels.bf16_gemm_supported(),
+                                     reason="the native bf16 GEMM needs a CPU with AVX512-BF16")
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("rows,k,n", [(1, 576, 960), (7, 577, 70), (13, 1000, 333), (300, 64, 5003)])
+def test_native_bf16_gemm_equals_the_product_of_the_rounded_operands(rows, k, n):
+    # Row counts under, at and over the 12-row tile and several 192 KB blocks of rows; an odd k
+    # (a padded pair); a partial last panel. Sums are fp32 in both, in different orders.
+    gen = torch.Generator().manual_seed(rows)
+    weight, x, bias = torch.randn(k, n, generator=gen), torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
+    panels = kernels.pack_bf16(weight)
+    want = x.bfloat16().float() @ weight.bfloat16().float() + bias
+    torch.testing.assert_close(kernels.gemm_bf16(x, panels, bias, n), want, rtol=1e-4, atol=2e-4)
+    assert torch.equal(kernels.gemm_bf16_argmax(x, panels, n), kernels.gemm_bf16(x, panels, None, n).argmax(dim=-1))
+    weight[:, n - 1] = weight[:, 40] = weight[:, 33]  # equal columns in different panels: the lowest wins
+    x[:] = weight[:, 33]
+    assert kernels.gemm_bf16_argmax(x, kernels.pack_bf16(weight), n).tolist() == [33] * rows
+
+
+@needs_bf16_gemm
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_linear_on_tritones_kernel_equals_mm(bias):
+    gen = torch.Generator().manual_seed(3)
+    layer = llama.Linear(50, 83, bias, torch.bfloat16)
+    torch.nn.init.normal_(layer.weight, generator=gen)
+    if bias:
+        torch.nn.init.normal_(layer.bias, generator=gen)
+    x = torch.randn(9, 50, generator=gen).bfloat16()
+    want = layer(x)
+    layer.prepack("tritone", "tritone")
+    got = layer(x)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
 def top_k_ids(logits: torch.Tensor, k: int = 5) -> list[int]:
     return logits.topk(k).indices.tolist()
 
 
-def test_default_model_in_bf16_is_close_to_hugging_face_bf16(model_dir, tokenizer):
+def assert_greedy_close(hf, prompt_ids, got):
     """vLLM's check_logprobs_close: the greedy sequences may part where bf16 rounding flips a
     near-tie, but at the first step where they differ, each token is in the other's top 5."""
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    ids = [tokenizer(p).input_ids for p in PROMPTS[:4]]
-    engine, got = engine_greedy(model_dir, ids, dtype="bfloat16", compile="off", kv_cache_bytes=32 << 20,
-                                block_size=16, max_num_batched_tokens=256)
-    assert engine.runner.dtype == torch.bfloat16
-    for prompt, ours in zip(ids, got):
+    for prompt, ours in zip(prompt_ids, got):
         theirs = hf_greedy(hf, prompt)
+        assert len(ours) == len(theirs)
         for step, (a, b) in enumerate(zip(ours, theirs)):
             if a != b:
                 with torch.inference_mode():
                     logits = hf(torch.tensor([prompt + theirs[:step]])).logits[0, -1]
                 assert a in top_k_ids(logits), (prompt, step)
                 break
+
+
+@pytest.mark.parametrize("forward", ["auto", "torch"])
+def test_default_model_in_bf16_is_close_to_hugging_face_bf16(model_dir, tokenizer, forward):
+    # auto: the native bf16 forward where the CPU has AVX512-BF16, the torch modules elsewhere.
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    ids = [tokenizer(p).input_ids for p in PROMPTS[:4]]
+    engine, got = engine_greedy(model_dir, ids, dtype="bfloat16", compile="off", kv_cache_bytes=32 << 20,
+                                block_size=16, max_num_batched_tokens=256, forward=forward)
+    assert engine.runner.dtype == torch.bfloat16
+    assert (engine.runner.native is not None) == (forward == "auto" and kernels.bf16_gemm_supported())
+    assert_greedy_close(hf, ids, got)
+
+
+@needs_bf16_gemm
+def test_native_bf16_forward_is_close_to_hugging_face_bf16(tiny):
+    # Prompt chunks of 32 tokens (the 40-token prompt takes two), decodes, several requests a step;
+    # the cache holds bf16 keys and values.
+    name, path, _ = tiny
+    if name == "gemma":
+        return
+    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
+    ids = prompts()
+    engine, got = engine_greedy(path, ids, dtype="bfloat16", forward="native")
+    assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
+    assert_greedy_close(hf, ids, got)

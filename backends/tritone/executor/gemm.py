@@ -1,9 +1,9 @@
 """Linear layers on the GEMM that measured fastest here, per weight shape, for one row and for a
 batch of rows.
 
-The candidates on CPU: torch's `mm` (MKL), oneDNN on a prepacked copy, and Tritone's own fp32
-kernel (`csrc/gemm.c`) on a copy packed in column panels, which prefetches the weights it is
-about to read. Which wins depends on the CPU: measured on a 2-core AMD EPYC (AVX2, two threads,
+The candidates on CPU: torch's `mm` (MKL), oneDNN on a prepacked copy, and Tritone's own kernel
+(`csrc/gemm.c`: fp32, or bf16 on CPUs with AVX512-BF16) on a copy packed in column panels, which
+prefetches the weights it is about to read. Which wins depends on the CPU: measured on a 2-core AMD EPYC (AVX2, two threads,
 weights streamed from memory), Tritone's kernel ran 1.3x oneDNN at 32 and 128 rows and 1.3x to
 2x MKL's GEMV at one row. Each weight shape is timed every way at start, on copies of the weight
 that together overflow the last-level cache (a forward pass reads each weight once, so a
@@ -53,11 +53,15 @@ class PackedLinear:
         if "onednn" in kernels_used:
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous(), _BATCH_ROWS)
         if "tritone" in kernels_used:
-            self.panels = kernels.pack_f32(self.weight)
+            bf16 = self.weight.dtype == torch.bfloat16
+            self.panels = kernels.pack_bf16(self.weight) if bf16 else kernels.pack_f32(self.weight)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernel = self.single if x.shape[0] == 1 else self.batch
         if kernel == "tritone":
+            if x.dtype == torch.bfloat16:
+                out = kernels.gemm_bf16(x, self.panels, None, self.weight.shape[1])
+                return (out if bias is None else out + bias).to(x.dtype)
             return kernels.gemm_f32(x, self.panels, bias, self.weight.shape[1])
         if kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
@@ -76,7 +80,8 @@ def available(dtype: torch.dtype) -> tuple[str, ...]:
     names = ["mm"]
     if torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_linear_pointwise"):
         names.append("onednn")
-    if dtype == torch.float32 and kernels.native_library() is not None:
+    if (dtype == torch.float32 and kernels.native_library() is not None) or (
+            dtype == torch.bfloat16 and kernels.bf16_gemm_supported()):
         names.append("tritone")
     return tuple(names)
 
@@ -136,7 +141,7 @@ def measure(in_features: int, out_features: int, dtype: torch.dtype) -> dict[str
 def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path) -> dict[tuple[int, int], tuple[str, str]]:
     """For each (in, out) shape, the fastest kernel for one row and for a batch: measured,
     cached in `cache_path`, logged."""
-    key = f"{dtype}"
+    key = f"{dtype} {'/'.join(available(dtype))}"  # a kernel added here is measured, not left out
     try:
         cached = json.loads(cache_path.read_text())
     except (OSError, ValueError):

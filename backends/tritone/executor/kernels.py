@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("paged_attention.c", "gemm.c", "argmax.c", "sample.c", "llama.c")]
-_HEADERS = [_CSRC / "vexp.h"]
+_HEADERS = [_CSRC / "vexp.h", _CSRC / "bf16.h"]
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -74,6 +74,14 @@ def _build() -> ctypes.CDLL:
     lib.sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
     lib.top_p_rows.restype = ctypes.c_int
     lib.top_p_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    lib.gemm_bf16_supported.restype = ctypes.c_int
+    lib.gemm_bf16_supported.argtypes = []
+    lib.gemm_bf16.restype = None
+    lib.gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.gemm_bf16_argmax.restype = ctypes.c_int
+    lib.gemm_bf16_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    lib.to_bf16_rows.restype = None
+    lib.to_bf16_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     lib.argmax_rows.restype = None
     lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
     # llama_forward(model, batch, scratch, logits, greedy_ids, threads) and
@@ -146,6 +154,53 @@ def gemm_f32_argmax(x: torch.Tensor, panels: torch.Tensor, out_features: int) ->
     if x.shape[0] and native_library().gemm_f32_argmax(x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0],
                                                        x.shape[1], out_features, torch.get_num_threads()):
         raise MemoryError("gemm_f32_argmax could not allocate its scratch space")
+    return out
+
+
+def bf16_gemm_supported() -> bool:
+    """Whether the native bf16 GEMM runs here (the kernels were built for a CPU with
+    AVX512-BF16)."""
+    lib = native_library()
+    return lib is not None and bool(lib.gemm_bf16_supported())
+
+
+def pack_bf16(weight_t: torch.Tensor) -> torch.Tensor:
+    """`weight_t` ([in, out]) in the bf16 panels that `gemm_bf16` reads: panel p holds columns
+    [32p, 32p + 32) as ceil(in / 2) rows of 32 pairs (W[2k, j], W[2k + 1, j]), zero padded."""
+    k, n = weight_t.shape
+    padded = torch.zeros(-(-k // 2) * 2, -(-n // 32) * 32, dtype=torch.bfloat16)
+    padded[:k, :n] = weight_t
+    return padded.view(-1, 2, padded.shape[1] // 32, 32).permute(2, 0, 3, 1).contiguous()
+
+
+def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
+    """x [rows, in] as gemm_bf16's A: bf16 rows padded to an even length (torch rounds as the
+    native conversion does)."""
+    rows, k = x.shape
+    out = torch.zeros(rows, k + k % 2, dtype=torch.bfloat16)
+    out[:, :k] = x
+    return out
+
+
+def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """x @ weight (+ bias) on `pack_bf16`'s panels, x rounded to bf16, sums in float32; returns
+    float32 [rows, out_features]. bias: float32 or None."""
+    a = _bf16_rows(x)
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0]:
+        native_library().gemm_bf16(a.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
+                                   out.data_ptr(), x.shape[0], x.shape[1], out_features, torch.get_num_threads())
+    return out
+
+
+def gemm_bf16_argmax(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """(x @ weight).argmax(dim=-1) on `pack_bf16`'s panels without writing the product, as
+    `gemm_f32_argmax`."""
+    a = _bf16_rows(x)
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0] and native_library().gemm_bf16_argmax(a.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0],
+                                                        x.shape[1], out_features, torch.get_num_threads()):
+        raise MemoryError("gemm_bf16_argmax could not allocate its scratch space")
     return out
 
 

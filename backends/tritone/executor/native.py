@@ -1,4 +1,5 @@
-"""Tritone's Llama-family model run by one native call per step (`csrc/llama.c`), fp32 on CPU.
+"""Tritone's Llama-family model run by one native call per step (`csrc/llama.c`) on the CPU: fp32,
+or bf16 where the CPU has AVX512-BF16 and the native bf16 GEMM measured fastest.
 
 The torch path runs a step as about ten operations per layer from Python; compiled, it still
 paid about half a millisecond per layer around the GEMMs and attention (dynamo's wrappers, the
@@ -30,7 +31,7 @@ class _Layer(ctypes.Structure):
 
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("num_layers", "hidden", "intermediate", "num_heads",
-                                                   "num_kv_heads", "head_dim", "vocab")] + [
+                                                   "num_kv_heads", "head_dim", "vocab", "bf16")] + [
         ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, ctypes.c_void_p) for name in ("embed", "rope", "final_norm", "lm_head")] + [
         ("layers", ctypes.POINTER(_Layer))]
@@ -46,10 +47,17 @@ def unsupported_reason(model, dtype: torch.dtype, device: torch.device) -> str |
     """Why the native forward cannot run this model here (None: it can)."""
     if device.type != "cpu":
         return f"it runs on the CPU, not {device.type}"
-    if dtype != torch.float32:
-        return f"it runs float32, not {str(dtype).removeprefix('torch.')}"
+    if dtype not in (torch.float32, torch.bfloat16):
+        return f"it runs float32 or bfloat16, not {str(dtype).removeprefix('torch.')}"
     if not isinstance(model, llama.LlamaForCausalLM):
         return "the model runs on Hugging Face's modules"
+    if dtype == torch.bfloat16:
+        if not kernels.bf16_gemm_supported():
+            return "its bfloat16 GEMM needs a CPU with AVX512-BF16"
+        chosen = model.layers[0].mlp.gate_up_proj.packed_linear
+        if chosen is None or chosen.batch != "tritone":
+            return (f"torch's bfloat16 GEMM ({chosen.batch if chosen else 'mm'}) measured faster than Tritone's "
+                    "here (gemm.py)")
     spec = model.spec
     if spec.head_dim % 8 or spec.head_dim > 256:
         return f"head size {spec.head_dim} is not a multiple of 8 up to 256"
@@ -69,6 +77,8 @@ class NativeForward:
                  block_size: int):
         self.lib = kernels.native_library()
         spec = model.spec
+        bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
+        cache_dtype = torch.bfloat16 if bf16 else torch.float32
         self.block_size = block_size
         self.vocab_size = spec.vocab_size
         self._keep: list[torch.Tensor] = []  # tensors whose memory the structures point into
@@ -76,30 +86,30 @@ class NativeForward:
         for i, layer in enumerate(model.layers):
             attn, mlp = layer.self_attn, layer.mlp
             k_cache, v_cache = kv_caches[i]
-            assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == torch.float32
-            norms = {"q_norm": attn.q_norm.weight if attn.q_norm is not None else None,
-                     "k_norm": attn.k_norm.weight if attn.k_norm is not None else None}
-            fields = {
-                "input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
-                "qkv": self._panels(attn.qkv_proj), "qkv_bias": attn.qkv_proj.bias,
-                "o": self._panels(attn.o_proj), "o_bias": attn.o_proj.bias,
-                "gate_up": self._panels(mlp.gate_up_proj), "gate_up_bias": mlp.gate_up_proj.bias,
-                "down": self._panels(mlp.down_proj), "down_bias": mlp.down_proj.bias,
-                "k_cache": k_cache, "v_cache": v_cache, **norms,
-            }
+            assert k_cache.is_contiguous() and v_cache.is_contiguous() and k_cache.dtype == cache_dtype
+            # Norms and biases are read as float32 (copies, for a bf16 model: a few KB a layer).
+            vectors = {"input_norm": layer.input_layernorm.weight, "post_norm": layer.post_attention_layernorm.weight,
+                       "q_norm": attn.q_norm.weight if attn.q_norm is not None else None,
+                       "k_norm": attn.k_norm.weight if attn.k_norm is not None else None,
+                       "qkv_bias": attn.qkv_proj.bias, "o_bias": attn.o_proj.bias,
+                       "gate_up_bias": mlp.gate_up_proj.bias, "down_bias": mlp.down_proj.bias}
+            fields = {name: None if t is None else t.float().contiguous() for name, t in vectors.items()}
+            fields.update(qkv=self._panels(attn.qkv_proj), o=self._panels(attn.o_proj),
+                          gate_up=self._panels(mlp.gate_up_proj), down=self._panels(mlp.down_proj),
+                          k_cache=k_cache, v_cache=v_cache)
             for name, tensor in fields.items():
                 if tensor is not None:
-                    assert tensor.is_contiguous() and tensor.dtype == torch.float32, name
+                    assert tensor.is_contiguous(), name
                     self._keep.append(tensor)
                 setattr(layers[i], name, _ptr(tensor))
         self._layers = layers
-        rope = model.rope.contiguous()
-        self._keep += [rope, model.embed_tokens.weight, model.norm.weight]
+        rope, final_norm = model.rope.float().contiguous(), model.norm.weight.float().contiguous()
+        self._keep += [rope, model.embed_tokens.weight, final_norm]
         self.model = _Model(
             num_layers=spec.num_layers, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            vocab=spec.vocab_size, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
-            embed=_ptr(model.embed_tokens.weight), rope=_ptr(rope), final_norm=_ptr(model.norm.weight),
+            vocab=spec.vocab_size, bf16=int(bf16), eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
+            embed=_ptr(model.embed_tokens.weight), rope=_ptr(rope), final_norm=_ptr(final_norm),
             lm_head=_ptr(self._panels(model.lm_head)), layers=layers)
         self._scratch = torch.empty(0, dtype=torch.float32)
 
@@ -107,7 +117,12 @@ class NativeForward:
         """The layer's weight in gemm.c's panels: the copy its chosen kernels already hold, or a
         new one where torch's kernels were measured faster for the torch path."""
         packed = linear.packed_linear
-        panels = packed.panels if packed is not None and packed.panels is not None else kernels.pack_f32(linear.weight)
+        if packed is not None and packed.panels is not None:
+            panels = packed.panels
+        elif linear.weight.dtype == torch.bfloat16:
+            panels = kernels.pack_bf16(linear.weight)
+        else:
+            panels = kernels.pack_f32(linear.weight)
         self._keep.append(panels)
         return panels
 

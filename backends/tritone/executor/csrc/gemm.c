@@ -11,6 +11,11 @@
  * one 64-byte cache line per k. A 6 x 16 tile keeps twelve 8-float accumulators in registers
  * (the classic AVX2 register block: 12 accumulators, 2 weight vectors, 1 broadcast).
  *
+ * bf16 (where the CPU has AVX512-BF16): A rounded to bf16, W packed in panels of 32 columns as
+ * pairs of k (the operand layout of vdpbf16ps, which multiplies two bf16 pairs per fp32 lane),
+ * sums in fp32. On a 2-core AMD EPYC with AVX512-BF16, torch's bf16 GEMMs ran 4x to 5x its fp32
+ * ones; this kernel takes the same panel scheme as the fp32 one below (one driver serves both).
+ *
  * Plain C with GCC/Clang vector extensions, no torch headers; OpenMP threads come from the
  * process's libgomp, which is torch's own once torch is loaded. */
 #include <stddef.h>
@@ -18,6 +23,7 @@
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
+#include "bf16.h"
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
@@ -78,8 +84,9 @@ static inline __attribute__((always_inline)) void tile(const float *a, int K, co
 /* Each case is its own copy of `tile` with a constant row count, fully unrolled. */
 #define TILE(n) tile(a + (size_t)m * K, K, panel, c + (size_t)m * N, N, ncols, bias, n, next, m / MR, tiles)
 
-static void panel_rows(const float *a, int M, int K, int N, const float *panel, float *c, int ncols,
-                       const float *bias, const float *next) {
+static void panel_rows_f32(const void *a_, int M, int K, int N, const void *panel_, float *c, int ncols,
+                           const float *bias, const void *next_) {
+    const float *a = a_, *panel = panel_, *next = next_;
     const int tiles = (M + MR - 1) / MR;
     int m = 0;
     for (; m + MR <= M; m += MR) TILE(MR);
@@ -92,26 +99,124 @@ static void panel_rows(const float *a, int M, int K, int N, const float *panel, 
     }
 }
 
-/* a: [M, K], panels: ceil(N / 16) x K x 16 floats, bias: [N] or NULL, c: [M, N]; all contiguous.
- *
- * Threads take runs of CHUNK panels from a shared counter rather than fixed halves: on a machine
- * where the server's other processes share the engine's cores, a thread that the kernel preempts
- * would otherwise leave its partner waiting at the end of every GEMM for the rest of its half.
- * Each thread claims its next run before computing the current one, so that it knows what to
- * prefetch.
- *
- * Rows are taken in blocks of about A_BLOCK_BYTES of A, every panel for one block before the
+#if defined(__AVX512BF16__)
+#define NR_BF16 32
+/* 12 x 32: 24 accumulators of the 32 vector registers, 2 for the weights' pairs, 1 broadcast. */
+#define MR_BF16 12
+
+/* Rows [0, mr) of A (bf16 pairs, K2 per row) times one bf16 panel (K2 rows of 32 pairs) into c;
+ * prefetching as `tile`, two cache lines per row of pairs. */
+static inline __attribute__((always_inline)) void tile_bf16(const uint32_t *a, int K2, const uint16_t *panel,
+                                                            float *c, int ldc, int ncols, const float *bias, int mr,
+                                                            const uint16_t *next, int pf_first, int pf_step) {
+    __m512 acc[MR_BF16][2];
+    for (int r = 0; r < MR_BF16; r++) {
+        acc[r][0] = _mm512_setzero_ps();
+        acc[r][1] = _mm512_setzero_ps();
+    }
+    int pf = next ? pf_first : K2;
+    for (int k = 0; k < K2; k++) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + (size_t)k * 2 * NR_BF16);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + (size_t)k * 2 * NR_BF16 + NR_BF16);
+        if (k == pf) {
+            __builtin_prefetch(next + (size_t)k * 2 * NR_BF16, 0, 3);
+            __builtin_prefetch(next + (size_t)k * 2 * NR_BF16 + NR_BF16, 0, 3);
+            pf += pf_step;
+        }
+        for (int r = 0; r < MR_BF16; r++) {
+            if (r < mr) {
+                const __m512bh av = (__m512bh)_mm512_set1_epi32((int)a[(size_t)r * K2 + k]);
+                acc[r][0] = _mm512_dpbf16_ps(acc[r][0], av, b0);
+                acc[r][1] = _mm512_dpbf16_ps(acc[r][1], av, b1);
+            }
+        }
+    }
+    const __mmask16 lo = ncols >= 16 ? 0xffff : (__mmask16)((1u << ncols) - 1);
+    const __mmask16 hi = ncols >= NR_BF16 ? 0xffff : ncols <= 16 ? 0 : (__mmask16)((1u << (ncols - 16)) - 1);
+    for (int r = 0; r < mr; r++) {
+        float *out = c + (size_t)r * ldc;
+        __m512 v0 = acc[r][0], v1 = acc[r][1];
+        if (bias) {
+            v0 = _mm512_add_ps(v0, _mm512_maskz_loadu_ps(lo, bias));
+            v1 = _mm512_add_ps(v1, _mm512_maskz_loadu_ps(hi, bias + 16));
+        }
+        _mm512_mask_storeu_ps(out, lo, v0);
+        _mm512_mask_storeu_ps(out + 16, hi, v1);
+    }
+}
+
+#define TILE_BF16(n) \
+    tile_bf16(a + (size_t)m * K2, K2, panel, c + (size_t)m * N, N, ncols, bias, n, next, m / MR_BF16, tiles)
+
+static void panel_rows_bf16(const void *a_, int M, int K, int N, const void *panel_, float *c, int ncols,
+                            const float *bias, const void *next_) {
+    const uint32_t *a = a_;
+    const uint16_t *panel = panel_, *next = next_;
+    const int K2 = (K + 1) / 2, tiles = (M + MR_BF16 - 1) / MR_BF16;
+    int m = 0;
+    for (; m + MR_BF16 <= M; m += MR_BF16) TILE_BF16(MR_BF16);
+    switch (M - m) {
+    case 1: TILE_BF16(1); break;
+    case 2: TILE_BF16(2); break;
+    case 3: TILE_BF16(3); break;
+    case 4: TILE_BF16(4); break;
+    case 5: TILE_BF16(5); break;
+    case 6: TILE_BF16(6); break;
+    case 7: TILE_BF16(7); break;
+    case 8: TILE_BF16(8); break;
+    case 9: TILE_BF16(9); break;
+    case 10: TILE_BF16(10); break;
+    case 11: TILE_BF16(11); break;
+    }
+}
+#endif
+
+/* 1 where gemm_bf16 and gemm_bf16_argmax run here (built for a CPU with AVX512-BF16). */
+int gemm_bf16_supported(void) {
+#if defined(__AVX512BF16__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* x [M, K] float32 into out [M, K rounded up to even] bf16, rounded to nearest even, the pad
+ * column zero: gemm_bf16's A. */
+void to_bf16_rows(const float *x, uint16_t *out, int M, int K, int num_threads) {
+    const int Kp = K + (K & 1);
+#pragma omp parallel for num_threads(M >= 8 ? num_threads : 1)
+    for (int m = 0; m < M; m++) {
+        f32_to_bf16_row(x + (size_t)m * K, out + (size_t)m * Kp, K);
+        if (K & 1) out[(size_t)m * Kp + K] = 0;
+    }
+}
+
+/* One kernel's geometry for the shared driver below. */
+typedef struct {
+    int nr, mr;            /* columns per panel, rows per tile */
+    size_t elem;           /* bytes per element of A and of a panel */
+    int k_pad;             /* K rounded up to a multiple of this in A's rows and in panels */
+    void (*rows)(const void *a, int M, int K, int N, const void *panel, float *c, int ncols, const float *bias,
+                 const void *next);
+} Kernel;
+
+static const Kernel F32 = {NR, MR, sizeof(float), 1, panel_rows_f32};
+#if defined(__AVX512BF16__)
+static const Kernel BF16 = {NR_BF16, MR_BF16, sizeof(uint16_t), 2, panel_rows_bf16};
+#endif
+
+/* Rows are taken in blocks of about A_BLOCK_BYTES of A, every panel for one block before the
  * next: a panel's passes then read their rows of A from the core's own L2 rather than all of A
  * from the shared L3, at the price of reading each weight once per block (from L3, or memory
- * for weights larger than it). Blocks of 192 KB measured best of 96 to 320 KB (a decode step's
- * 121 linears, cold weights, 2 threads: 128 rows 231 -> 209 ms, 512 rows 855 -> 800 ms;
+ * for weights larger than it). Blocks of 192 KB measured best of 96 to 320 KB (fp32: a decode
+ * step's 121 linears, cold weights, 2 threads: 128 rows 231 -> 209 ms, 512 rows 855 -> 800 ms;
  * 32 rows, one block, unchanged). */
 #define A_BLOCK_BYTES (192 << 10)
 
-/* Rows per block: about A_BLOCK_BYTES of A, whole tiles, at most M. */
-static int rows_per_block(int M, int K) {
-    int mc = A_BLOCK_BYTES / (K * (int)sizeof(float)) / MR * MR;
-    if (mc < MR) mc = MR;
+/* Rows per block: about A_BLOCK_BYTES of A, whole tiles of mr, at most M. */
+static int rows_per_block(int M, size_t row_bytes, int mr) {
+    int mc = (int)(A_BLOCK_BYTES / row_bytes) / mr * mr;
+    if (mc < mr) mc = mr;
     return mc > M ? M : mc;
 }
 
@@ -121,45 +226,96 @@ static inline int panel_after(int p, int end, int next_item, int items, int chun
     return p + 1 < end ? p + 1 : next_item < items ? next_item % chunks * CHUNK : P;
 }
 
-void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
-              int num_threads) {
+/* Work shared by gemm_* and gemm_*_argmax: item i is run i % chunks of panels over row block
+ * i / chunks. */
+typedef struct {
+    const Kernel *kn;
+    int M, K, N, Kp, P, chunks, mc, items;
+    size_t panel_bytes, a_row_bytes;
+} Plan;
+
+static Plan plan(const Kernel *kn, int M, int K, int N) {
+    Plan p = {kn, M, K, N};
+    p.Kp = (K + kn->k_pad - 1) / kn->k_pad * kn->k_pad;
+    p.P = (N + kn->nr - 1) / kn->nr;
+    p.chunks = (p.P + CHUNK - 1) / CHUNK;
+    p.a_row_bytes = (size_t)p.Kp * kn->elem;
+    p.panel_bytes = (size_t)p.Kp * kn->nr * kn->elem;
+    p.mc = rows_per_block(M, p.a_row_bytes, kn->mr);
+    p.items = (M + p.mc - 1) / p.mc * p.chunks;
+    return p;
+}
+
+/* Runs item `item` of `pl` (its panels' products into c, rows of ldc; c_col_of_panel: whether c
+ * holds every panel's columns at their place, else each panel's product lands at c's column 0,
+ * for `per_panel` to consume); next_item is the thread's following item, for prefetching. */
+static void run_item(const Plan *pl, const void *a, const void *panels, const float *bias, float *c, int ldc,
+                     int item, int next_item, void (*per_panel)(void *, int p, int m0, int mb, int ncols),
+                     void *ctx) {
+    const int chunk = item % pl->chunks, m0 = item / pl->chunks * pl->mc;
+    const int mb = pl->M - m0 < pl->mc ? pl->M - m0 : pl->mc;
+    const int end = (chunk + 1) * CHUNK < pl->P ? (chunk + 1) * CHUNK : pl->P;
+    const int nr = pl->kn->nr;
+    for (int p = chunk * CHUNK; p < end; p++) {
+        const int q = panel_after(p, end, next_item, pl->items, pl->chunks, pl->P);
+        const char *panel = (const char *)panels + (size_t)p * pl->panel_bytes;
+        const char *next = q < pl->P ? (const char *)panels + (size_t)q * pl->panel_bytes : 0;
+        const int ncols = pl->N - p * nr < nr ? pl->N - p * nr : nr;
+        float *dst = per_panel ? c : c + (size_t)m0 * ldc + (size_t)p * nr;
+        pl->kn->rows((const char *)a + (size_t)m0 * pl->a_row_bytes, mb, pl->K, ldc, panel, dst, ncols,
+                     bias ? bias + (size_t)p * nr : 0, next);
+        if (per_panel) per_panel(ctx, p, m0, mb, ncols);
+    }
+}
+
+/* Threads take runs of CHUNK panels from a shared counter rather than fixed halves: on a machine
+ * where the server's other processes share the engine's cores, a thread that the kernel preempts
+ * would otherwise leave its partner waiting at the end of every GEMM for the rest of its half.
+ * Each thread claims its next run before computing the current one, so that it knows what to
+ * prefetch. */
+static void gemm_run(const Kernel *kn, const void *a, const void *panels, const float *bias, float *c, int M, int K,
+                     int N, int num_threads) {
     if (M <= 0) return;
-    const int P = (N + NR - 1) / NR;
-    const int chunks = (P + CHUNK - 1) / CHUNK;
-    const int mc = rows_per_block(M, K);
-    const int items = (M + mc - 1) / mc * chunks; /* item i: run i % chunks of rows block i / chunks */
+    const Plan pl = plan(kn, M, K, N);
     int counter = 0;
 #pragma omp parallel num_threads(num_threads)
     {
         int item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-        while (item < items) {
+        while (item < pl.items) {
             const int next_item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-            const int chunk = item % chunks, m0 = item / chunks * mc, mb = M - m0 < mc ? M - m0 : mc;
-            const int end = (chunk + 1) * CHUNK < P ? (chunk + 1) * CHUNK : P;
-            for (int p = chunk * CHUNK; p < end; p++) {
-                /* the panel this thread computes next: the following one, or its next run's first */
-                const int q = panel_after(p, end, next_item, items, chunks, P);
-                const float *panel = panels + (size_t)p * K * NR;
-                const float *next = q < P ? panels + (size_t)q * K * NR : 0;
-                const int ncols = N - p * NR < NR ? N - p * NR : NR;
-                panel_rows(a + (size_t)m0 * K, mb, K, N, panel, c + (size_t)m0 * N + p * NR, ncols,
-                           bias ? bias + p * NR : 0, next);
-            }
+            run_item(&pl, a, panels, bias, c, N, item, next_item, 0, 0);
             item = next_item;
         }
     }
 }
 
-/* Folds rows [0, mb) of a panel's product (buf, rows of NR, the first ncols valid; column col0
- * first) into each row's running maximum and its column. Strictly greater: the first of equal
- * values stays, and NaN is never taken. */
-static void fold_max(const float *buf, int mb, int ncols, int col0, float *best, int32_t *best_col) {
+/* a: [M, K], panels: ceil(N / 16) x K x 16 floats, bias: [N] or NULL, c: [M, N]; all contiguous. */
+void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
+              int num_threads) {
+    gemm_run(&F32, a, panels, bias, c, M, K, N, num_threads);
+}
+
+/* a: [M, K rounded up to even] bf16 (to_bf16_rows), panels: ceil(N / 32) x ceil(K / 2) x 32 x 2
+ * bf16 (panel p, pair row k, column j: W[2k, 32p + j], W[2k + 1, 32p + j], zero padded), bias:
+ * [N] float32 or NULL, c: [M, N] float32. Nothing where gemm_bf16_supported() is 0. */
+void gemm_bf16(const uint16_t *a, const uint16_t *panels, const float *bias, float *c, int M, int K, int N,
+               int num_threads) {
+#if defined(__AVX512BF16__)
+    gemm_run(&BF16, a, panels, bias, c, M, K, N, num_threads);
+#endif
+}
+
+/* Folds rows [0, mb) of a panel's product (buf, rows of nr floats, the first ncols valid; column
+ * col0 first) into each row's running maximum and its column. Strictly greater: the first of
+ * equal values stays, and NaN is never taken. */
+static void fold_max(const float *buf, int nr, int mb, int ncols, int col0, float *best, int32_t *best_col) {
     for (int r = 0; r < mb; r++) {
-        const float *row = buf + (size_t)r * NR;
+        const float *row = buf + (size_t)r * nr;
         float m = best[r];
-        if (ncols == NR) { /* mostly nothing beats the row's maximum so far: one vector test */
+        if (ncols == nr) { /* mostly nothing beats the row's maximum so far: one vector test per 8 */
             const v8 mv = {m, m, m, m, m, m, m, m};
-            const v8i greater = (*(const v8 *)row > mv) | (*(const v8 *)(row + 8) > mv);
+            v8i greater = (v8i){0};
+            for (int j = 0; j < nr; j += 8) greater |= *(const v8 *)(row + j) > mv;
             int any = 0;
             for (int lane = 0; lane < 8; lane++) any |= greater[lane];
             if (!any) continue;
@@ -175,49 +331,53 @@ static void fold_max(const float *buf, int mb, int ncols, int col0, float *best,
     }
 }
 
-/* out[m] = argmax over n of (A @ W)[m, n], with `gemm_f32`'s arithmetic (so the values compared
- * are the ones gemm_f32 would write) but without writing the product: a greedy step's logits
- * are [rows, vocab], 50 MB at 256 rows of a 49,152-token vocabulary, written by the LM head
- * and read back by the argmax. Ties go to the lowest index and NaN is never chosen, as
+typedef struct {
+    const float *buf;
+    int nr;
+    float *best;
+    int32_t *best_col;
+} ArgmaxCtx;
+
+static void fold_panel(void *ctx_, int p, int m0, int mb, int ncols) {
+    (void)m0;
+    ArgmaxCtx *ctx = ctx_;
+    fold_max(ctx->buf, ctx->nr, mb, ncols, p * ctx->nr, ctx->best, ctx->best_col);
+}
+
+/* out[m] = argmax over n of (A @ W)[m, n], with the GEMM's arithmetic (so the values compared
+ * are the ones it would write) but without writing the product: a greedy step's logits are
+ * [rows, vocab], 50 MB at 256 rows of a 49,152-token vocabulary, written by the LM head and
+ * read back by the argmax. Ties go to the lowest index and NaN is never chosen, as
  * argmax_rows; a row with nothing above -inf gets 0. Returns -1 where scratch cannot be
  * allocated. */
-int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, int K, int N, int num_threads) {
+static int argmax_run(const Kernel *kn, const void *a, const void *panels, int64_t *out, int M, int K, int N,
+                      int num_threads) {
     if (M <= 0) return 0;
-    const int P = (N + NR - 1) / NR;
-    const int chunks = (P + CHUNK - 1) / CHUNK;
-    const int mc = rows_per_block(M, K);
-    const int items = (M + mc - 1) / mc * chunks;
+    const Plan pl = plan(kn, M, K, N);
     /* Each item's rows' maximum over its run of panels: [chunks, M], merged in column order. */
-    float *part = malloc(sizeof(float) * (size_t)M * chunks);
-    int32_t *part_col = malloc(sizeof(int32_t) * (size_t)M * chunks);
+    float *part = malloc(sizeof(float) * (size_t)M * pl.chunks);
+    int32_t *part_col = malloc(sizeof(int32_t) * (size_t)M * pl.chunks);
     int failed = !part || !part_col, counter = 0;
     if (!failed) {
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
         {
             /* the product of one panel and a block of rows, then the block's running maxima */
-            float *buf = malloc(sizeof(float) * (size_t)mc * (NR + 1) + sizeof(int32_t) * (size_t)mc);
-            float *best = buf + (size_t)mc * NR;
-            int32_t *best_col = (int32_t *)(best + mc);
-            int item = buf ? __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED) : items;
+            float *buf = malloc(sizeof(float) * (size_t)pl.mc * (kn->nr + 1) + sizeof(int32_t) * (size_t)pl.mc);
+            ArgmaxCtx ctx = {buf, kn->nr, buf + (size_t)pl.mc * kn->nr, 0};
+            ctx.best_col = (int32_t *)(ctx.best + pl.mc);
+            int item = buf ? __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED) : pl.items;
             failed |= !buf;
-            while (item < items) {
+            while (item < pl.items) {
                 const int next_item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-                const int chunk = item % chunks, m0 = item / chunks * mc, mb = M - m0 < mc ? M - m0 : mc;
-                const int end = (chunk + 1) * CHUNK < P ? (chunk + 1) * CHUNK : P;
+                const int chunk = item % pl.chunks, m0 = item / pl.chunks * pl.mc;
+                const int mb = M - m0 < pl.mc ? M - m0 : pl.mc;
                 for (int r = 0; r < mb; r++) {
-                    best[r] = -INFINITY;
-                    best_col[r] = -1;
+                    ctx.best[r] = -INFINITY;
+                    ctx.best_col[r] = -1;
                 }
-                for (int p = chunk * CHUNK; p < end; p++) {
-                    const int q = panel_after(p, end, next_item, items, chunks, P);
-                    const float *panel = panels + (size_t)p * K * NR;
-                    const float *next = q < P ? panels + (size_t)q * K * NR : 0;
-                    const int ncols = N - p * NR < NR ? N - p * NR : NR;
-                    panel_rows(a + (size_t)m0 * K, mb, K, NR, panel, buf, ncols, 0, next);
-                    fold_max(buf, mb, ncols, p * NR, best, best_col);
-                }
-                memcpy(part + (size_t)chunk * M + m0, best, sizeof(float) * mb);
-                memcpy(part_col + (size_t)chunk * M + m0, best_col, sizeof(int32_t) * mb);
+                run_item(&pl, a, panels, 0, buf, kn->nr, item, next_item, fold_panel, &ctx);
+                memcpy(part + (size_t)chunk * M + m0, ctx.best, sizeof(float) * mb);
+                memcpy(part_col + (size_t)chunk * M + m0, ctx.best_col, sizeof(int32_t) * mb);
                 item = next_item;
             }
             free(buf);
@@ -227,7 +387,7 @@ int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, in
         for (int r = 0; r < M; r++) {
             float m = -INFINITY;
             int32_t col = -1;
-            for (int ch = 0; ch < chunks; ch++)
+            for (int ch = 0; ch < pl.chunks; ch++)
                 if (part[(size_t)ch * M + r] > m) {
                     m = part[(size_t)ch * M + r];
                     col = part_col[(size_t)ch * M + r];
@@ -237,4 +397,18 @@ int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, in
     free(part);
     free(part_col);
     return failed ? -1 : 0;
+}
+
+int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, int K, int N, int num_threads) {
+    return argmax_run(&F32, a, panels, out, M, K, N, num_threads);
+}
+
+/* gemm_bf16's argmax, as gemm_f32_argmax; -2 where gemm_bf16_supported() is 0. */
+int gemm_bf16_argmax(const uint16_t *a, const uint16_t *panels, int64_t *out, int M, int K, int N,
+                     int num_threads) {
+#if defined(__AVX512BF16__)
+    return argmax_run(&BF16, a, panels, out, M, K, N, num_threads);
+#else
+    return -2;
+#endif
 }

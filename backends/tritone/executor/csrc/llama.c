@@ -1,4 +1,6 @@
-/* The Llama family's whole forward pass, fp32 on the CPU, in one call.
+/* The Llama family's whole forward pass on the CPU in one call: fp32, or bf16 weights and KV cache
+ * where the CPU has AVX512-BF16 (activations stay fp32 between the GEMMs, whose inputs are
+ * rounded to bf16 and whose sums are fp32).
  *
  * Run op by op from Python, even compiled, a decode step of a small model paid about half a
  * millisecond per layer outside the GEMMs and attention (dynamo's wrappers, the custom ops'
@@ -16,6 +18,7 @@
 #include <stdint.h>
 #include <string.h>
 #include "vexp.h"
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -23,26 +26,39 @@
 void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
               int num_threads);
 int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, int K, int N, int num_threads);
+void gemm_bf16(const uint16_t *a, const uint16_t *panels, const float *bias, float *c, int M, int K, int N,
+               int num_threads);
+int gemm_bf16_argmax(const uint16_t *a, const uint16_t *panels, int64_t *out, int M, int K, int N, int num_threads);
+void to_bf16_rows(const float *x, uint16_t *out, int M, int K, int num_threads);
 int paged_attention(const float *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
                     const int32_t *query_start, const int32_t *seq_lens, float *out, int num_seqs, int num_heads,
                     int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale, int is_bf16,
                     int num_threads);
 
-/* One decoder layer's weights: norms as vectors, linears as gemm.c's panels; biases, q_norm and
- * k_norm may be NULL. k_cache, v_cache: [num_slots, num_kv_heads, head_dim]. */
+/* One decoder layer's weights: norms and biases as float32 vectors, linears as gemm.c's panels of
+ * the model's dtype; biases, q_norm and k_norm may be NULL. k_cache, v_cache: [num_slots,
+ * num_kv_heads, head_dim] of the model's dtype. */
 typedef struct {
-    const float *input_norm, *qkv, *qkv_bias, *q_norm, *k_norm, *o, *o_bias;
-    const float *post_norm, *gate_up, *gate_up_bias, *down, *down_bias;
-    float *k_cache, *v_cache;
+    const float *input_norm;
+    const void *qkv;
+    const float *qkv_bias, *q_norm, *k_norm;
+    const void *o;
+    const float *o_bias, *post_norm;
+    const void *gate_up;
+    const float *gate_up_bias;
+    const void *down;
+    const float *down_bias;
+    void *k_cache, *v_cache;
 } LlamaLayer;
 
 typedef struct {
     int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, vocab;
+    int bf16;                /* weights' panels, embeddings and KV cache in bf16, else float32 */
     float eps, scale;
-    const float *embed;      /* [vocab, hidden] */
+    const void *embed;       /* [vocab, hidden] */
     const float *rope;       /* [max_positions, head_dim]: cos in the first half, sin in the second */
     const float *final_norm; /* [hidden] */
-    const float *lm_head;    /* panels of [hidden, vocab] */
+    const void *lm_head;     /* panels of [hidden, vocab] */
     const LlamaLayer *layers;
 } LlamaModel;
 
@@ -119,15 +135,36 @@ static void norm_rope_heads(const float *x, int n, const float *norm, const floa
     }
 }
 
-/* Token t's queries into q_out, and its keys and values into the cache at its slot. */
+/* Token t's queries into q_out, and its keys and values into the cache at its slot (rounded to
+ * bf16 for a bf16 cache, as torch's conversion rounds). */
 static void qkv_to_cache(const LlamaModel *m, const LlamaLayer *l, const float *qkv_row, int64_t position,
                          int64_t slot, float *q_out) {
     const int D = m->head_dim, H = m->num_heads, KV = m->num_kv_heads;
     const float *table_row = m->rope + (size_t)position * D;
     const float *k = qkv_row + (size_t)H * D, *v = k + (size_t)KV * D;
     norm_rope_heads(qkv_row, H, l->q_norm, table_row, q_out, D, m->eps);
-    norm_rope_heads(k, KV, l->k_norm, table_row, l->k_cache + (size_t)slot * KV * D, D, m->eps);
-    memcpy(l->v_cache + (size_t)slot * KV * D, v, sizeof(float) * KV * D);
+    const size_t at = (size_t)slot * KV * D;
+    if (!m->bf16) {
+        norm_rope_heads(k, KV, l->k_norm, table_row, (float *)l->k_cache + at, D, m->eps);
+        memcpy((float *)l->v_cache + at, v, sizeof(float) * KV * D);
+        return;
+    }
+    float keys[KV * D];
+    norm_rope_heads(k, KV, l->k_norm, table_row, keys, D, m->eps);
+    f32_to_bf16_row(keys, (uint16_t *)l->k_cache + at, KV * D);
+    f32_to_bf16_row(v, (uint16_t *)l->v_cache + at, KV * D);
+}
+
+/* out [T, N] = x [T, K] @ the linear's panels (+ bias), in the model's dtype; x_bf16 is scratch
+ * for x rounded to bf16. */
+static void linear(const LlamaModel *m, const float *x, uint16_t *x_bf16, const void *panels, const float *bias,
+                   float *out, int T, int K, int N, int num_threads) {
+    if (!m->bf16) {
+        gemm_f32(x, panels, bias, out, T, K, N, num_threads);
+        return;
+    }
+    to_bf16_rows(x, x_bf16, T, K, num_threads);
+    gemm_bf16(x_bf16, panels, bias, out, T, K, N, num_threads);
 }
 
 /* residual += out and normed = norm(residual) with `weight`, for T rows of n. */
@@ -142,13 +179,22 @@ static void add_norm_rows(float *residual, const float *out, const float *weight
     }
 }
 
+/* Floats per token of the scratch that holds a layer's QKV rows, or its gate_up rows and the
+ * activation after them. */
+static size_t wide_floats(const LlamaModel *m) {
+    const size_t qkv = (size_t)(m->num_heads + 2 * m->num_kv_heads) * m->head_dim, mlp = 3 * (size_t)m->intermediate;
+    return qkv > mlp ? qkv : mlp;
+}
+
 /* Floats of scratch space `llama_forward` needs for num_tokens tokens. */
 size_t llama_scratch_floats(const LlamaModel *m, int num_tokens) {
     const size_t T = num_tokens > 0 ? num_tokens : 1;
-    const size_t q = (size_t)m->num_heads * m->head_dim, kv = (size_t)m->num_kv_heads * m->head_dim;
-    const size_t wide = (q + 2 * kv) > 3 * (size_t)m->intermediate ? q + 2 * kv : 3 * (size_t)m->intermediate;
-    /* residual, normed, out, queries, attention output, and gate_up with the activation after it */
-    return T * (3 * (size_t)m->hidden + 2 * q + wide);
+    const size_t q = (size_t)m->num_heads * m->head_dim;
+    size_t widest_in = (size_t)m->hidden > q ? (size_t)m->hidden : q;
+    widest_in = widest_in > (size_t)m->intermediate ? widest_in : (size_t)m->intermediate;
+    /* residual, normed, out, queries, attention output, gate_up with the activation after it,
+     * and a GEMM's input in bf16 (two to a float, rows padded to even) */
+    return T * (3 * (size_t)m->hidden + 2 * q + wide_floats(m) + (widest_in + 2) / 2);
 }
 
 /* Runs the model over b's tokens, writing their keys and values into each layer's cache, and
@@ -165,28 +211,34 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
     float *queries = out + (size_t)T * Hd, *attn = queries + (size_t)T * q_size;
     float *wide = attn + (size_t)T * q_size; /* qkv rows, or gate_up rows and the activation */
     float *act = wide + (size_t)T * 2 * I;
+    uint16_t *x_bf16 = (uint16_t *)(wide + (size_t)T * wide_floats(m));
 
 #pragma omp parallel for num_threads(threads)
     for (int t = 0; t < T; t++) {
-        memcpy(residual + (size_t)t * Hd, m->embed + (size_t)b->ids[t] * Hd, sizeof(float) * Hd);
+        float *r = residual + (size_t)t * Hd;
+        if (m->bf16) {
+            bf16_to_f32_row((const uint16_t *)m->embed + (size_t)b->ids[t] * Hd, r, Hd);
+        } else {
+            memcpy(r, (const float *)m->embed + (size_t)b->ids[t] * Hd, sizeof(float) * Hd);
+        }
         rms_norm(residual + (size_t)t * Hd, m->layers[0].input_norm, normed + (size_t)t * Hd, Hd, m->eps);
     }
     for (int i = 0; i < m->num_layers; i++) {
         const LlamaLayer *l = &m->layers[i];
-        gemm_f32(normed, l->qkv, l->qkv_bias, wide, T, Hd, qkv_size, num_threads);
+        linear(m, normed, x_bf16, l->qkv, l->qkv_bias, wide, T, Hd, qkv_size, num_threads);
 #pragma omp parallel for num_threads(threads)
         for (int t = 0; t < T; t++)
             qkv_to_cache(m, l, wide + (size_t)t * qkv_size, b->positions[t], b->slots[t], queries + (size_t)t * q_size);
         const int rc = paged_attention(queries, l->k_cache, l->v_cache, b->block_tables, b->query_start, b->seq_lens,
                                        attn, b->num_seqs, m->num_heads, m->num_kv_heads, m->head_dim, b->block_size,
-                                       b->max_blocks, m->scale, 0, num_threads);
+                                       b->max_blocks, m->scale, m->bf16, num_threads);
         if (rc) return rc;
-        gemm_f32(attn, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
+        linear(m, attn, x_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
         add_norm_rows(residual, out, l->post_norm, normed, T, Hd, m->eps, threads);
-        gemm_f32(normed, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
+        linear(m, normed, x_bf16, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
 #pragma omp parallel for num_threads(threads)
         for (int t = 0; t < T; t++) silu_mul(wide + (size_t)t * 2 * I, act + (size_t)t * I, I);
-        gemm_f32(act, l->down, l->down_bias, out, T, I, Hd, num_threads);
+        linear(m, act, x_bf16, l->down, l->down_bias, out, T, I, Hd, num_threads);
         if (i + 1 < m->num_layers)
             add_norm_rows(residual, out, m->layers[i + 1].input_norm, normed, T, Hd, m->eps, threads);
     }
@@ -198,7 +250,11 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
         for (int j = 0; j < Hd; j++) dst[j] = r[j] + o[j];
         rms_norm(dst, m->final_norm, dst, Hd, m->eps);
     }
-    if (greedy_ids) return gemm_f32_argmax(normed, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads);
-    gemm_f32(normed, m->lm_head, 0, logits, b->num_logits, Hd, m->vocab, num_threads);
-    return 0;
+    if (!greedy_ids) {
+        linear(m, normed, x_bf16, m->lm_head, 0, logits, b->num_logits, Hd, m->vocab, num_threads);
+        return 0;
+    }
+    if (!m->bf16) return gemm_f32_argmax(normed, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads);
+    to_bf16_rows(normed, x_bf16, b->num_logits, Hd, num_threads);
+    return gemm_bf16_argmax(x_bf16, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads);
 }

@@ -4,7 +4,9 @@
  *
  * The torch path must first gather each sequence's keys and values out of the cache into a
  * padded batch: that copy is most of the attention time on a CPU, whose memory bandwidth is the
- * limit. Here each cached row is read where it lies (or converted once, for a bf16 cache).
+ * limit. Here each cached row is read where it lies, a bf16 one converted to float32 as it is
+ * loaded into registers (converted into a buffer first, gathering took three times the kernel's
+ * own time: 18.7% of a batch-128 decode step of the default model against 6.5%).
  *
  * Plain C with no torch headers, so that it compiles in about a second wherever a C compiler is
  * present; the caller passes data pointers. */
@@ -13,6 +15,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "vexp.h"
+#include "bf16.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -21,13 +24,6 @@
 #define QUERY_TILE 16
 /* Keys per block of a prompt item: 64 keys' and values' rows of 64 floats fill half of L1. */
 #define KEY_BLOCK 64
-
-static inline float bf16_to_f32(uint16_t x) {
-    uint32_t u = (uint32_t)x << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 typedef struct {
     int seq, kv_head, first, count; /* query tokens [first, first + count) of the sequence */
@@ -42,31 +38,21 @@ typedef struct {
     float scale;
 } Args;
 
-/* A thread's scratch: each context row's key and value as a pointer (into the cache, or into
- * k_buf/v_buf where a bf16 cache is converted to float), and one row of scores. */
+/* A thread's scratch: each context row's key and value as a pointer into the cache (float32 or
+ * bf16 rows), and one row of scores. */
 typedef struct {
-    const float **k_rows, **v_rows;
-    float *scores, *k_buf, *v_buf;
+    const void **k_rows, **v_rows;
+    float *scores;
     float *acc, *row_max, *row_sum; /* a prompt item's running outputs, maxima and sums per row */
 } Scratch;
 
 static void gather_rows(const Args *a, const int32_t *table, int h, int n, Scratch *s) {
-    const int D = a->head_dim;
+    const size_t elem = a->is_bf16 ? sizeof(uint16_t) : sizeof(float);
     for (int t = 0; t < n; t++) {
         const size_t slot = (size_t)table[t / a->block_size] * a->block_size + t % a->block_size;
-        const size_t offset = (slot * a->num_kv_heads + h) * D;
-        if (a->is_bf16) {
-            const uint16_t *k = (const uint16_t *)a->k_cache + offset;
-            const uint16_t *v = (const uint16_t *)a->v_cache + offset;
-            float *kf = s->k_buf + (size_t)t * D, *vf = s->v_buf + (size_t)t * D;
-            for (int d = 0; d < D; d++) kf[d] = bf16_to_f32(k[d]);
-            for (int d = 0; d < D; d++) vf[d] = bf16_to_f32(v[d]);
-            s->k_rows[t] = kf;
-            s->v_rows[t] = vf;
-        } else {
-            s->k_rows[t] = (const float *)a->k_cache + offset;
-            s->v_rows[t] = (const float *)a->v_cache + offset;
-        }
+        const size_t offset = (slot * a->num_kv_heads + h) * a->head_dim * elem;
+        s->k_rows[t] = (const char *)a->k_cache + offset;
+        s->v_rows[t] = (const char *)a->v_cache + offset;
     }
 }
 
@@ -74,22 +60,31 @@ static void gather_rows(const Args *a, const int32_t *table, int h, int n, Scrat
  * machine's vector registers, AVX2 or AVX-512 halves, NEON pairs); aligned(4) allows any address. */
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 
-static inline __attribute__((always_inline)) float dot(const float *x, const float *y, int D) {
+/* Elements [d, d + 8) of a cached row as floats; bf16 is a constant where this is inlined. */
+static inline __attribute__((always_inline)) v8 load8(const void *row, int d, const int bf16) {
+    if (!bf16) return *(const v8 *)((const float *)row + d);
+    v8 out;
+    bf16_to_f32_row((const uint16_t *)row + d, (float *)&out, 8);
+    return out;
+}
+
+static inline __attribute__((always_inline)) float dot(const float *x, const void *y, int D, const int bf16) {
     v8 acc = {0};
-    for (int d = 0; d < D; d += 8) acc += *(const v8 *)(x + d) * *(const v8 *)(y + d);
+    for (int d = 0; d < D; d += 8) acc += *(const v8 *)(x + d) * load8(y, d, bf16);
     return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
 }
 
 /* out = sum over t of p[t] * v_rows[t], divided by `sum`: one query row's output from its
  * unnormalized softmax weights. */
-static inline __attribute__((always_inline)) void weighted_values(const float *p, const float *const *v_rows, int n,
-                                                                float sum, float *out, const int D) {
+static inline __attribute__((always_inline)) void weighted_values(const float *p, const void *const *v_rows, int n,
+                                                                float sum, float *out, const int D,
+                                                                const int bf16) {
     v8 acc[32]; /* head_dim / 8 of them; in registers when D is a small constant */
     for (int i = 0; i < D / 8; i++) acc[i] = (v8){0};
     for (int t = 0; t < n; t++) {
         const v8 pt = (v8){0} + p[t];
-        const float *v = v_rows[t];
-        for (int i = 0; i < D / 8; i++) acc[i] += pt * *(const v8 *)(v + 8 * i);
+        const void *v = v_rows[t];
+        for (int i = 0; i < D / 8; i++) acc[i] += pt * load8(v, 8 * i, bf16);
     }
     const v8 inv = (v8){0} + 1.f / sum;
     for (int i = 0; i < D / 8; i++) *(v8 *)(out + 8 * i) = acc[i] * inv;
@@ -102,19 +97,19 @@ static inline __attribute__((always_inline)) void weighted_values(const float *p
  * time with eight independent accumulators, and exponentials eight at a time. */
 #if defined(__AVX2__) && defined(__FMA__)
 /* scale * (q . k[j]) for eight keys into out[0..8). */
-static inline __attribute__((always_inline)) void scores8(const float *q, const float *const *k, int D, float scale,
-                                                        float *out) {
+static inline __attribute__((always_inline)) void scores8(const float *q, const void *const *k, int D, float scale,
+                                                        float *out, const int bf16) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     for (int d = 0; d < D; d += 8) {
         const __m256 qv = _mm256_loadu_ps(q + d);
-        a0 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[0] + d), a0);
-        a1 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[1] + d), a1);
-        a2 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[2] + d), a2);
-        a3 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[3] + d), a3);
-        a4 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[4] + d), a4);
-        a5 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[5] + d), a5);
-        a6 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[6] + d), a6);
-        a7 = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[7] + d), a7);
+        a0 = _mm256_fmadd_ps(qv, (__m256)load8(k[0], d, bf16), a0);
+        a1 = _mm256_fmadd_ps(qv, (__m256)load8(k[1], d, bf16), a1);
+        a2 = _mm256_fmadd_ps(qv, (__m256)load8(k[2], d, bf16), a2);
+        a3 = _mm256_fmadd_ps(qv, (__m256)load8(k[3], d, bf16), a3);
+        a4 = _mm256_fmadd_ps(qv, (__m256)load8(k[4], d, bf16), a4);
+        a5 = _mm256_fmadd_ps(qv, (__m256)load8(k[5], d, bf16), a5);
+        a6 = _mm256_fmadd_ps(qv, (__m256)load8(k[6], d, bf16), a6);
+        a7 = _mm256_fmadd_ps(qv, (__m256)load8(k[7], d, bf16), a7);
     }
     /* Eight sums at once: pairwise adds leave [k0..k3 low halves | k0..k3 high halves] and the
      * same for k4..k7; the two 128-bit halves then add up. */
@@ -161,15 +156,16 @@ static inline float exp_scores(float *sr, int n) { return exp_shifted(sr, n, max
 
 /* acc = acc * corr + sum over t of p[t] * v_rows[t]: one query row's running output over a
  * block of keys (online softmax). */
-static inline __attribute__((always_inline)) void accumulate_values(const float *p, const float *const *v_rows, int n,
-                                                                  float corr, float *acc_row, const int D) {
+static inline __attribute__((always_inline)) void accumulate_values(const float *p, const void *const *v_rows, int n,
+                                                                  float corr, float *acc_row, const int D,
+                                                                  const int bf16) {
     v8 acc[32];
     const v8 c = (v8){0} + corr;
     for (int i = 0; i < D / 8; i++) acc[i] = *(const v8 *)(acc_row + 8 * i) * c;
     for (int t = 0; t < n; t++) {
         const v8 pt = (v8){0} + p[t];
-        const float *v = v_rows[t];
-        for (int i = 0; i < D / 8; i++) acc[i] += pt * *(const v8 *)(v + 8 * i);
+        const void *v = v_rows[t];
+        for (int i = 0; i < D / 8; i++) acc[i] += pt * load8(v, 8 * i, bf16);
     }
     for (int i = 0; i < D / 8; i++) *(v8 *)(acc_row + 8 * i) = acc[i];
 }
@@ -189,7 +185,8 @@ static inline __attribute__((always_inline)) void accumulate_values(const float 
  * a 2,000-token prompt re-read each head's keys and values from L3 for every query row and spent
  * 3.4 s of the default model's forward pass in attention. Scores and exponentials go eight keys
  * at a time (the decode path's helpers). */
-static inline __attribute__((always_inline)) void attend_dim(const Args *a, WorkItem w, Scratch *s, const int D) {
+static inline __attribute__((always_inline)) void attend_dim(const Args *a, WorkItem w, Scratch *s, const int D,
+                                                             const int bf16) {
     const int group = a->num_heads / a->num_kv_heads;
     const int q_start = a->query_start[w.seq];
     const int q_len = a->query_start[w.seq + 1] - q_start;
@@ -212,14 +209,14 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
             const float *qr = a->q + ROW(r) * D;
             float *sr = s->scores;
             int t = 0;
-            for (; t + 8 <= cnt; t += 8) scores8(qr, s->k_rows + k0 + t, D, a->scale, sr + t);
-            for (; t < cnt; t++) sr[t] = dot(qr, s->k_rows[k0 + t], D) * a->scale;
+            for (; t + 8 <= cnt; t += 8) scores8(qr, s->k_rows + k0 + t, D, a->scale, sr + t, bf16);
+            for (; t < cnt; t++) sr[t] = dot(qr, s->k_rows[k0 + t], D, bf16) * a->scale;
             const float block_max = max_of(sr, cnt);
             const float m = block_max > row_max[r] ? block_max : row_max[r];
             const float corr = expf(row_max[r] - m); /* 0 for the first block */
             row_sum[r] = row_sum[r] * corr + exp_shifted(sr, cnt, m);
             row_max[r] = m;
-            accumulate_values(sr, s->v_rows + k0, cnt, corr, acc + (size_t)r * D, D);
+            accumulate_values(sr, s->v_rows + k0, cnt, corr, acc + (size_t)r * D, D, bf16);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -234,7 +231,7 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
         const int n = first_pos + r / group + 1;
         float max = -INFINITY;
         for (int t = 0; t < n; t++) {
-            sr[t] = dot(qr, s->k_rows[t], D) * a->scale;
+            sr[t] = dot(qr, s->k_rows[t], D, bf16) * a->scale;
             max = sr[t] > max ? sr[t] : max;
         }
         float sum = 0.f;
@@ -242,14 +239,15 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
             sr[t] = expf(sr[t] - max);
             sum += sr[t];
         }
-        weighted_values(sr, s->v_rows, n, sum, a->out + ROW(r) * D, D);
+        weighted_values(sr, s->v_rows, n, sum, a->out + ROW(r) * D, D, bf16);
     }
 #endif
 #undef ROW
 }
 
 #ifdef HAVE_DECODE_KERNEL
-static inline __attribute__((always_inline)) void decode_dim(const Args *a, int seq, Scratch *s, const int D) {
+static inline __attribute__((always_inline)) void decode_dim(const Args *a, int seq, Scratch *s, const int D,
+                                                             const int bf16) {
     const int group = a->num_heads / a->num_kv_heads;
     const int n = a->seq_lens[seq];
     const int32_t *table = a->block_tables + (size_t)seq * a->max_blocks;
@@ -260,21 +258,32 @@ static inline __attribute__((always_inline)) void decode_dim(const Args *a, int 
             const float *qr = a->q + row * D;
             float *sr = s->scores;
             int t = 0;
-            for (; t + 8 <= n; t += 8) scores8(qr, s->k_rows + t, D, a->scale, sr + t);
-            for (; t < n; t++) sr[t] = dot(qr, s->k_rows[t], D) * a->scale;
-            weighted_values(sr, s->v_rows, n, exp_scores(sr, n), a->out + row * D, D);
+            for (; t + 8 <= n; t += 8) scores8(qr, s->k_rows + t, D, a->scale, sr + t, bf16);
+            for (; t < n; t++) sr[t] = dot(qr, s->k_rows[t], D, bf16) * a->scale;
+            weighted_values(sr, s->v_rows, n, exp_scores(sr, n), a->out + row * D, D, bf16);
         }
     }
 }
 
-static void decode_64(const Args *a, int seq, Scratch *s) { decode_dim(a, seq, s, 64); }
-static void decode_128(const Args *a, int seq, Scratch *s) { decode_dim(a, seq, s, 128); }
-static void decode_any(const Args *a, int seq, Scratch *s) { decode_dim(a, seq, s, a->head_dim); }
+/* Each head size and cache dtype its own copy, with D and bf16 constants. */
+#define DECODE(name, D, bf16) \
+    static void name(const Args *a, int seq, Scratch *s) { decode_dim(a, seq, s, D, bf16); }
+DECODE(decode_64, 64, 0)
+DECODE(decode_128, 128, 0)
+DECODE(decode_any, a->head_dim, 0)
+DECODE(decode_64_bf16, 64, 1)
+DECODE(decode_128_bf16, 128, 1)
+DECODE(decode_any_bf16, a->head_dim, 1)
 #endif
 
-static void attend_64(const Args *a, WorkItem w, Scratch *s) { attend_dim(a, w, s, 64); }
-static void attend_128(const Args *a, WorkItem w, Scratch *s) { attend_dim(a, w, s, 128); }
-static void attend_any(const Args *a, WorkItem w, Scratch *s) { attend_dim(a, w, s, a->head_dim); }
+#define ATTEND(name, D, bf16) \
+    static void name(const Args *a, WorkItem w, Scratch *s) { attend_dim(a, w, s, D, bf16); }
+ATTEND(attend_64, 64, 0)
+ATTEND(attend_128, 128, 0)
+ATTEND(attend_any, a->head_dim, 0)
+ATTEND(attend_64_bf16, 64, 1)
+ATTEND(attend_128_bf16, 128, 1)
+ATTEND(attend_any_bf16, a->head_dim, 1)
 
 /* q, out: [num_tokens, num_heads, head_dim] float32, the tokens of sequence s at rows
  * [query_start[s], query_start[s + 1]). k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
@@ -292,10 +301,12 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
     const Args a = {q, k_cache, v_cache, block_tables, query_start, seq_lens, out, num_heads,
                     num_kv_heads, head_dim, block_size, max_blocks, is_bf16, scale};
     void (*attend)(const Args *, WorkItem, Scratch *) =
-        head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any;
+        is_bf16 ? (head_dim == 64 ? attend_64_bf16 : head_dim == 128 ? attend_128_bf16 : attend_any_bf16)
+                : (head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any);
 #ifdef HAVE_DECODE_KERNEL
     void (*decode)(const Args *, int, Scratch *) =
-        head_dim == 64 ? decode_64 : head_dim == 128 ? decode_128 : decode_any;
+        is_bf16 ? (head_dim == 64 ? decode_64_bf16 : head_dim == 128 ? decode_128_bf16 : decode_any_bf16)
+                : (head_dim == 64 ? decode_64 : head_dim == 128 ? decode_128 : decode_any);
 #endif
     int num_items = 0, max_ctx = 1, failed = 0;
     for (int s = 0; s < num_seqs; s++) {
@@ -319,20 +330,17 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                 items[n++] = w;
             }
     }
-    const size_t buf_floats = is_bf16 ? 2 * (size_t)max_ctx * head_dim : 0;
     const size_t item_rows = (size_t)QUERY_TILE * (num_heads / num_kv_heads);
 #pragma omp parallel num_threads(num_threads) reduction(| : failed)
     {
         Scratch s;
-        s.k_rows = malloc(2 * sizeof(float *) * max_ctx);
-        s.scores = malloc(sizeof(float) * (max_ctx + buf_floats + item_rows * (head_dim + 2)));
+        s.k_rows = malloc(2 * sizeof(void *) * max_ctx);
+        s.scores = malloc(sizeof(float) * (max_ctx + item_rows * (head_dim + 2)));
         if (!s.k_rows || !s.scores) {
             failed = 1;
         } else {
             s.v_rows = s.k_rows + max_ctx;
-            s.k_buf = s.scores + max_ctx;
-            s.v_buf = s.k_buf + (size_t)max_ctx * head_dim;
-            s.acc = s.scores + max_ctx + buf_floats;
+            s.acc = s.scores + max_ctx;
             s.row_max = s.acc + item_rows * head_dim;
             s.row_sum = s.row_max + item_rows;
 #pragma omp for schedule(dynamic, 1)
