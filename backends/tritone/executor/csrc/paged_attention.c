@@ -216,10 +216,25 @@ static inline __attribute__((always_inline)) void weighted_values_wide(const flo
     const __m512 inv = _mm512_set1_ps(1.f / sum);
     for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], inv));
 }
+
+/* accumulate_values for bf16 rows, D a multiple of 16. */
+static inline __attribute__((always_inline)) void accumulate_values_wide(const float *p, const void *const *v_rows,
+                                                                       int n, float corr, float *acc_row,
+                                                                       const int D) {
+    __m512 acc[16];
+    const __m512 c = _mm512_set1_ps(corr);
+    for (int i = 0; i < D / 16; i++) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(acc_row + 16 * i), c);
+    for (int t = 0; t < n; t++) {
+        const __m512 pt = _mm512_set1_ps(p[t]);
+        for (int i = 0; i < D / 16; i++) acc[i] = _mm512_fmadd_ps(pt, load16_bf16(v_rows[t], 16 * i), acc[i]);
+    }
+    for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(acc_row + 16 * i, acc[i]);
+}
 #else
 #define WIDE_BF16 0
 #define scores8_wide(q, k, D, scale, out) scores8(q, k, D, scale, out, 1)
 #define weighted_values_wide(p, v_rows, n, sum, out, D) weighted_values(p, v_rows, n, sum, out, D, 1)
+#define accumulate_values_wide(p, v_rows, n, corr, acc_row, D) accumulate_values(p, v_rows, n, corr, acc_row, D, 1)
 #endif
 #define HAVE_DECODE_KERNEL 1
 #define IS_DECODE(q_len) ((q_len) == 1)
@@ -247,6 +262,7 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
     gather_rows(a, a->block_tables + (size_t)w.seq * a->max_blocks, w.kv_head, first_pos + w.count, s);
 #define ROW(r) ((size_t)(q_start + w.first + (r) / group) * a->num_heads + (size_t)w.kv_head * group + (r) % group)
 #ifdef HAVE_DECODE_KERNEL
+    const int wide = WIDE_BF16 && bf16 && D % 16 == 0;
     float *acc = s->acc, *row_max = s->row_max, *row_sum = s->row_sum;
     for (int r = 0; r < rows; r++) {
         row_max[r] = -INFINITY;
@@ -261,14 +277,22 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
             const float *qr = a->q + ROW(r) * D;
             float *sr = s->scores;
             int t = 0;
-            for (; t + 8 <= cnt; t += 8) scores8(qr, s->k_rows + k0 + t, D, a->scale, sr + t, bf16);
+            for (; t + 8 <= cnt; t += 8) {
+                if (wide)
+                    scores8_wide(qr, s->k_rows + k0 + t, D, a->scale, sr + t);
+                else
+                    scores8(qr, s->k_rows + k0 + t, D, a->scale, sr + t, bf16);
+            }
             for (; t < cnt; t++) sr[t] = dot(qr, s->k_rows[k0 + t], D, bf16) * a->scale;
             const float block_max = max_of(sr, cnt);
             const float m = block_max > row_max[r] ? block_max : row_max[r];
             const float corr = expf(row_max[r] - m); /* 0 for the first block */
             row_sum[r] = row_sum[r] * corr + exp_shifted(sr, cnt, m);
             row_max[r] = m;
-            accumulate_values(sr, s->v_rows + k0, cnt, corr, acc + (size_t)r * D, D, bf16);
+            if (wide)
+                accumulate_values_wide(sr, s->v_rows + k0, cnt, corr, acc + (size_t)r * D, D);
+            else
+                accumulate_values(sr, s->v_rows + k0, cnt, corr, acc + (size_t)r * D, D, bf16);
         }
     }
     for (int r = 0; r < rows; r++) {
