@@ -364,6 +364,17 @@ def is_running(pid):
         return False
 
 
+def describe(pid):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            cmdline = f.read().replace(b"\0", b" ").decode(errors="replace")[-80:]
+        with open(f"/proc/{pid}/stat") as f:
+            state = f.read().rsplit(")", 1)[1].split()[0]
+        return f"{pid} ({state}) {cmdline}"
+    except OSError:
+        return str(pid)
+
+
 def test_model_processes_do_not_outlive_a_killed_server(small_server, alone):
     stream = Stream(grpc_url(small_server))
     stream.send(ensemble_inputs("Count to one thousand:", 150, end_id=i32(-1),
@@ -379,7 +390,8 @@ def test_model_processes_do_not_outlive_a_killed_server(small_server, alone):
     deadline = time.monotonic() + 30
     while any(map(is_running, stubs)) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert not [pid for pid in stubs if is_running(pid)], "a model process outlived its server"
+    survivors = [pid for pid in stubs if is_running(pid)]
+    assert not survivors, f"a model process outlived its server: {[describe(pid) for pid in survivors]}"
     stream.close()
     # The launcher's supervisor brings the server back.
     deadline = time.monotonic() + 300

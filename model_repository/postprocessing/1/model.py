@@ -10,11 +10,14 @@ except ImportError:  # NVIDIA's container, where the package is installed system
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritone.serving import Postprocessor, ResponseState, model_parameters, triton_getter
+from tritone.serving import Postprocessor, ResponseState, exit_when_orphaned, model_parameters, triton_getter
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        # Every model process watches for its server's death, not only the engine's: one
+        # outlived a killed server in a full test run (serving.exit_when_orphaned).
+        exit_when_orphaned()
         self.postprocess = Postprocessor.from_parameters(model_parameters(json.loads(args["model_config"])))
 
     def execute(self, requests):

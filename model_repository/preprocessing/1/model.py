@@ -9,11 +9,14 @@ except ImportError:  # NVIDIA's container, where the package is installed system
 
 import triton_python_backend_utils as pb_utils
 
-from tritone.serving import SHUTTING_DOWN, Drain, Preprocessor, model_parameters, triton_getter
+from tritone.serving import SHUTTING_DOWN, Drain, Preprocessor, exit_when_orphaned, model_parameters, triton_getter
 
 
 class TritonPythonModel:
     def initialize(self, args):
+        # Every model process watches for its server's death, not only the engine's: one
+        # outlived a killed server in a full test run (serving.exit_when_orphaned).
+        exit_when_orphaned()
         params = model_parameters(json.loads(args["model_config"]))
         self.preprocess = Preprocessor(params)
         # The ensemble's entry: during a drain, new requests stop here.
