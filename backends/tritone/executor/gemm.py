@@ -3,9 +3,9 @@ batch of rows.
 
 The candidates on CPU: torch's `mm` (MKL), oneDNN on a prepacked copy, and Tritone's own kernel
 (`csrc/gemm.c`: fp32, or bf16 on CPUs with AVX512-BF16) on a copy packed in column panels, which
-prefetches the weights it is about to read. Which wins depends on the CPU: measured on a 2-core AMD EPYC (AVX2, two threads,
-weights streamed from memory), Tritone's kernel ran 1.3x oneDNN at 32 and 128 rows and 1.3x to
-2x MKL's GEMV at one row. Each weight shape is timed every way at start, on copies of the weight
+prefetches the weights it is about to read. Which wins depends on the CPU: measured on a 2-core
+AMD EPYC (AVX2, two threads, weights streamed from memory), Tritone's fp32 kernel ran 1.3x
+oneDNN at 32 and 128 rows and 1.3x to 2x MKL's GEMV at one row. Each weight shape is timed every way at start, on copies of the weight
 that together overflow the last-level cache (a forward pass reads each weight once, so a
 measurement on a weight already in cache would favour the wrong kernel); the answers are cached
 with the other hardware facts and logged.
@@ -53,8 +53,7 @@ class PackedLinear:
         if "onednn" in kernels_used:
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous(), _BATCH_ROWS)
         if "tritone" in kernels_used:
-            bf16 = self.weight.dtype == torch.bfloat16
-            self.panels = kernels.pack_bf16(self.weight) if bf16 else kernels.pack_f32(self.weight)
+            self.panels = kernels.pack(self.weight)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         kernel = self.single if x.shape[0] == 1 else self.batch

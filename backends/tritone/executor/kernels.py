@@ -136,25 +136,36 @@ def pack_f32(weight_t: torch.Tensor) -> torch.Tensor:
     return padded.view(k, -1, 16).transpose(0, 1).contiguous()
 
 
+def _gemm(fn, a: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None,
+          out_features: int) -> torch.Tensor:
+    """fn (gemm_f32 or gemm_bf16) on a, x's rows as that kernel reads them."""
+    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
+    if x.shape[0]:
+        fn(a.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(), out.data_ptr(), x.shape[0],
+           x.shape[1], out_features, torch.get_num_threads())
+    return out
+
+
+def _gemm_argmax(fn, a: torch.Tensor, x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """fn (gemm_f32_argmax or gemm_bf16_argmax) on a, x's rows as that kernel reads them."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0] and fn(a.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0], x.shape[1], out_features,
+                         torch.get_num_threads()):
+        raise MemoryError(f"{fn.__name__} could not allocate its scratch space")
+    return out
+
+
 def gemm_f32(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x @ weight (+ bias) on `pack_f32`'s panels; x [rows, in] float32."""
     x = x.contiguous()
-    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    if x.shape[0]:
-        native_library().gemm_f32(x.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                  out.data_ptr(), x.shape[0], x.shape[1], out_features, torch.get_num_threads())
-    return out
+    return _gemm(native_library().gemm_f32, x, x, panels, bias, out_features)
 
 
 def gemm_f32_argmax(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """(x @ weight).argmax(dim=-1) on `pack_f32`'s panels without writing the product: the
     same values as `gemm_f32`'s, ties to the lowest index; x [rows, in] float32."""
     x = x.contiguous()
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    if x.shape[0] and native_library().gemm_f32_argmax(x.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0],
-                                                       x.shape[1], out_features, torch.get_num_threads()):
-        raise MemoryError("gemm_f32_argmax could not allocate its scratch space")
-    return out
+    return _gemm_argmax(native_library().gemm_f32_argmax, x, x, panels, out_features)
 
 
 def bf16_gemm_supported() -> bool:
@@ -185,23 +196,18 @@ def _bf16_rows(x: torch.Tensor) -> torch.Tensor:
 def gemm_bf16(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
     """x @ weight (+ bias) on `pack_bf16`'s panels, x rounded to bf16, sums in float32; returns
     float32 [rows, out_features]. bias: float32 or None."""
-    a = _bf16_rows(x)
-    out = torch.empty(x.shape[0], out_features, dtype=torch.float32)
-    if x.shape[0]:
-        native_library().gemm_bf16(a.data_ptr(), panels.data_ptr(), 0 if bias is None else bias.data_ptr(),
-                                   out.data_ptr(), x.shape[0], x.shape[1], out_features, torch.get_num_threads())
-    return out
+    return _gemm(native_library().gemm_bf16, _bf16_rows(x), x, panels, bias, out_features)
 
 
 def gemm_bf16_argmax(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
     """(x @ weight).argmax(dim=-1) on `pack_bf16`'s panels without writing the product, as
     `gemm_f32_argmax`."""
-    a = _bf16_rows(x)
-    out = torch.empty(x.shape[0], dtype=torch.int64)
-    if x.shape[0] and native_library().gemm_bf16_argmax(a.data_ptr(), panels.data_ptr(), out.data_ptr(), x.shape[0],
-                                                        x.shape[1], out_features, torch.get_num_threads()):
-        raise MemoryError("gemm_bf16_argmax could not allocate its scratch space")
-    return out
+    return _gemm_argmax(native_library().gemm_bf16_argmax, _bf16_rows(x), x, panels, out_features)
+
+
+def pack(weight_t: torch.Tensor) -> torch.Tensor:
+    """`weight_t` ([in, out]) in the panels of the native GEMM of its dtype (bf16 or float32)."""
+    return pack_bf16(weight_t) if weight_t.dtype == torch.bfloat16 else pack_f32(weight_t)
 
 
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:

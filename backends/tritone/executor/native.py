@@ -117,12 +117,7 @@ class NativeForward:
         """The layer's weight in gemm.c's panels: the copy its chosen kernels already hold, or a
         new one where torch's kernels were measured faster for the torch path."""
         packed = linear.packed_linear
-        if packed is not None and packed.panels is not None:
-            panels = packed.panels
-        elif linear.weight.dtype == torch.bfloat16:
-            panels = kernels.pack_bf16(linear.weight)
-        else:
-            panels = kernels.pack_f32(linear.weight)
+        panels = packed.panels if packed is not None and packed.panels is not None else kernels.pack(linear.weight)
         self._keep.append(panels)
         return panels
 

@@ -246,9 +246,9 @@ static Plan plan(const Kernel *kn, int M, int K, int N) {
     return p;
 }
 
-/* Runs item `item` of `pl` (its panels' products into c, rows of ldc; c_col_of_panel: whether c
- * holds every panel's columns at their place, else each panel's product lands at c's column 0,
- * for `per_panel` to consume); next_item is the thread's following item, for prefetching. */
+/* Runs item `item` of `pl`: its panels' products into c (rows of ldc), each at its columns, or,
+ * where per_panel is set, each at c's column 0 and handed to per_panel(ctx, ...) before the next
+ * panel overwrites it. next_item is the thread's following item, for prefetching. */
 static void run_item(const Plan *pl, const void *a, const void *panels, const float *bias, float *c, int ldc,
                      int item, int next_item, void (*per_panel)(void *, int p, int m0, int mb, int ncols),
                      void *ctx) {

@@ -155,16 +155,22 @@ static void qkv_to_cache(const LlamaModel *m, const LlamaLayer *l, const float *
     f32_to_bf16_row(v, (uint16_t *)l->v_cache + at, KV * D);
 }
 
-/* out [T, N] = x [T, K] @ the linear's panels (+ bias), in the model's dtype; x_bf16 is scratch
- * for x rounded to bf16. */
+/* A GEMM's input x [T, K] as the model's kernel reads it: x itself (fp32), or x rounded to bf16
+ * into the scratch x_bf16. */
+static const void *gemm_input(const LlamaModel *m, const float *x, uint16_t *x_bf16, int T, int K, int num_threads) {
+    if (!m->bf16) return x;
+    to_bf16_rows(x, x_bf16, T, K, num_threads);
+    return x_bf16;
+}
+
+/* out [T, N] = x [T, K] @ the linear's panels (+ bias), in the model's dtype. */
 static void linear(const LlamaModel *m, const float *x, uint16_t *x_bf16, const void *panels, const float *bias,
                    float *out, int T, int K, int N, int num_threads) {
-    if (!m->bf16) {
-        gemm_f32(x, panels, bias, out, T, K, N, num_threads);
-        return;
-    }
-    to_bf16_rows(x, x_bf16, T, K, num_threads);
-    gemm_bf16(x_bf16, panels, bias, out, T, K, N, num_threads);
+    const void *a = gemm_input(m, x, x_bf16, T, K, num_threads);
+    if (m->bf16)
+        gemm_bf16(a, panels, bias, out, T, K, N, num_threads);
+    else
+        gemm_f32(a, panels, bias, out, T, K, N, num_threads);
 }
 
 /* residual += out and normed = norm(residual) with `weight`, for T rows of n. */
@@ -221,7 +227,7 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
         } else {
             memcpy(r, (const float *)m->embed + (size_t)b->ids[t] * Hd, sizeof(float) * Hd);
         }
-        rms_norm(residual + (size_t)t * Hd, m->layers[0].input_norm, normed + (size_t)t * Hd, Hd, m->eps);
+        rms_norm(r, m->layers[0].input_norm, normed + (size_t)t * Hd, Hd, m->eps);
     }
     for (int i = 0; i < m->num_layers; i++) {
         const LlamaLayer *l = &m->layers[i];
@@ -254,7 +260,7 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
         linear(m, normed, x_bf16, m->lm_head, 0, logits, b->num_logits, Hd, m->vocab, num_threads);
         return 0;
     }
-    if (!m->bf16) return gemm_f32_argmax(normed, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads);
-    to_bf16_rows(normed, x_bf16, b->num_logits, Hd, num_threads);
-    return gemm_bf16_argmax(x_bf16, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads);
+    const void *a = gemm_input(m, normed, x_bf16, b->num_logits, Hd, num_threads);
+    return m->bf16 ? gemm_bf16_argmax(a, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads)
+                   : gemm_f32_argmax(a, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads);
 }
