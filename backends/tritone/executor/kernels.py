@@ -23,12 +23,12 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("paged_attention.c", "gemm.c", "argmax.c", "sample.c", "llama.c")]
-_HEADERS = [_CSRC / "vexp.h", _CSRC / "bf16.h"]
+_SOURCES = [_CSRC / name for name in ("pool.c", "paged_attention.c", "gemm.c", "argmax.c", "sample.c", "llama.c")]
+_HEADERS = [_CSRC / "vexp.h", _CSRC / "bf16.h", _CSRC / "pool.h"]
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC"]
+          "-fno-trapping-math", "-pthread", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _loaded = False
 

@@ -6,6 +6,7 @@
  * so that the row streams at memory speed. Ties go to the lowest index, as torch's and therefore
  * Hugging Face's greedy choice does; NaN is never chosen. */
 #include <stdint.h>
+#include "pool.h"
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
@@ -45,7 +46,17 @@ static int64_t row_argmax(const float *x, int64_t n) {
 }
 
 /* x: [rows, n] float32, contiguous; out: [rows] int64. */
+typedef struct {
+    const float *x;
+    int64_t n, *out;
+} ArgmaxRows;
+
+static void argmax_row(void *job_, int64_t r) {
+    const ArgmaxRows *job = job_;
+    job->out[r] = row_argmax(job->x + r * job->n, job->n);
+}
+
 void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) out[r] = row_argmax(x + r * n, n);
+    ArgmaxRows job = {x, n, out};
+    pool_for(rows, 2, argmax_row, &job, num_threads);
 }

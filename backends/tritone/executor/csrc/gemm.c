@@ -16,14 +16,14 @@
  * sums in fp32. On a 2-core AMD EPYC with AVX512-BF16, torch's bf16 GEMMs ran 4x to 5x its fp32
  * ones; this kernel takes the same panel scheme as the fp32 one below (one driver serves both).
  *
- * Plain C with GCC/Clang vector extensions, no torch headers; OpenMP threads come from the
- * process's libgomp, which is torch's own once torch is loaded. */
+ * Plain C with GCC/Clang vector extensions, no torch headers; threads from pool.c. */
 #include <stddef.h>
 #include <stdint.h>
 #include <math.h>
 #include <stdlib.h>
 #include <string.h>
 #include "bf16.h"
+#include "pool.h"
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));
@@ -182,13 +182,22 @@ int gemm_bf16_supported(void) {
 
 /* x [M, K] float32 into out [M, K rounded up to even] bf16, rounded to nearest even, the pad
  * column zero: gemm_bf16's A. */
+typedef struct {
+    const float *x;
+    uint16_t *out;
+    int K;
+} ToBf16;
+
+static void to_bf16_row(void *job_, int64_t m) {
+    const ToBf16 *job = job_;
+    const int K = job->K, Kp = K + (K & 1);
+    f32_to_bf16_row(job->x + (size_t)m * K, job->out + (size_t)m * Kp, K);
+    if (K & 1) job->out[(size_t)m * Kp + K] = 0;
+}
+
 void to_bf16_rows(const float *x, uint16_t *out, int M, int K, int num_threads) {
-    const int Kp = K + (K & 1);
-#pragma omp parallel for num_threads(M >= 8 ? num_threads : 1)
-    for (int m = 0; m < M; m++) {
-        f32_to_bf16_row(x + (size_t)m * K, out + (size_t)m * Kp, K);
-        if (K & 1) out[(size_t)m * Kp + K] = 0;
-    }
+    ToBf16 job = {x, out, K};
+    pool_for(M, 8, to_bf16_row, &job, num_threads);
 }
 
 /* One kernel's geometry for the shared driver below. */
@@ -273,20 +282,30 @@ static void run_item(const Plan *pl, const void *a, const void *panels, const fl
  * would otherwise leave its partner waiting at the end of every GEMM for the rest of its half.
  * Each thread claims its next run before computing the current one, so that it knows what to
  * prefetch. */
+typedef struct {
+    Plan pl;
+    const void *a, *panels;
+    const float *bias;
+    float *c;
+    int counter;
+} GemmJob;
+
+static void gemm_part(void *job_, int thread, int num_threads) {
+    (void)thread, (void)num_threads;
+    GemmJob *job = job_;
+    int item = pool_next(&job->counter);
+    while (item < job->pl.items) {
+        const int next_item = pool_next(&job->counter);
+        run_item(&job->pl, job->a, job->panels, job->bias, job->c, job->pl.N, item, next_item, 0, 0);
+        item = next_item;
+    }
+}
+
 static void gemm_run(const Kernel *kn, const void *a, const void *panels, const float *bias, float *c, int M, int K,
                      int N, int num_threads) {
     if (M <= 0) return;
-    const Plan pl = plan(kn, M, K, N);
-    int counter = 0;
-#pragma omp parallel num_threads(num_threads)
-    {
-        int item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-        while (item < pl.items) {
-            const int next_item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-            run_item(&pl, a, panels, bias, c, N, item, next_item, 0, 0);
-            item = next_item;
-        }
-    }
+    GemmJob job = {plan(kn, M, K, N), a, panels, bias, c, 0};
+    pool_run(gemm_part, &job, num_threads);
 }
 
 /* a: [M, K], panels: ceil(N / 16) x K x 16 floats, bias: [N] or NULL, c: [M, N]; all contiguous. */
@@ -344,6 +363,44 @@ static void fold_panel(void *ctx_, int p, int m0, int mb, int ncols) {
     fold_max(ctx->buf, ctx->nr, mb, ncols, p * ctx->nr, ctx->best, ctx->best_col);
 }
 
+typedef struct {
+    Plan pl;
+    const void *a, *panels;
+    float *part;       /* each item's rows' maximum over its run of panels: [chunks, M] */
+    int32_t *part_col; /* and its column */
+    int counter, failed;
+} ArgmaxJob;
+
+static void argmax_part(void *job_, int thread, int num_threads) {
+    (void)thread, (void)num_threads;
+    ArgmaxJob *job = job_;
+    const Plan *pl = &job->pl;
+    const int mc = pl->mc, nr = pl->kn->nr, M = pl->M;
+    /* the product of one panel and a block of rows, then the block's running maxima */
+    float *buf = malloc(sizeof(float) * (size_t)mc * (nr + 1) + sizeof(int32_t) * (size_t)mc);
+    if (!buf) {
+        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+        return;
+    }
+    ArgmaxCtx ctx = {buf, nr, buf + (size_t)mc * nr, 0};
+    ctx.best_col = (int32_t *)(ctx.best + mc);
+    int item = pool_next(&job->counter);
+    while (item < pl->items) {
+        const int next_item = pool_next(&job->counter);
+        const int chunk = item % pl->chunks, m0 = item / pl->chunks * mc;
+        const int mb = M - m0 < mc ? M - m0 : mc;
+        for (int r = 0; r < mb; r++) {
+            ctx.best[r] = -INFINITY;
+            ctx.best_col[r] = -1;
+        }
+        run_item(pl, job->a, job->panels, 0, buf, nr, item, next_item, fold_panel, &ctx);
+        memcpy(job->part + (size_t)chunk * M + m0, ctx.best, sizeof(float) * mb);
+        memcpy(job->part_col + (size_t)chunk * M + m0, ctx.best_col, sizeof(int32_t) * mb);
+        item = next_item;
+    }
+    free(buf);
+}
+
 /* out[m] = argmax over n of (A @ W)[m, n], with the GEMM's arithmetic (so the values compared
  * are the ones it would write) but without writing the product: a greedy step's logits are
  * [rows, vocab], 50 MB at 256 rows of a 49,152-token vocabulary, written by the LM head and
@@ -353,49 +410,28 @@ static void fold_panel(void *ctx_, int p, int m0, int mb, int ncols) {
 static int argmax_run(const Kernel *kn, const void *a, const void *panels, int64_t *out, int M, int K, int N,
                       int num_threads) {
     if (M <= 0) return 0;
-    const Plan pl = plan(kn, M, K, N);
-    /* Each item's rows' maximum over its run of panels: [chunks, M], merged in column order. */
-    float *part = malloc(sizeof(float) * (size_t)M * pl.chunks);
-    int32_t *part_col = malloc(sizeof(int32_t) * (size_t)M * pl.chunks);
-    int failed = !part || !part_col, counter = 0;
+    ArgmaxJob job = {plan(kn, M, K, N), a, panels};
+    const int chunks = job.pl.chunks;
+    job.part = malloc(sizeof(float) * (size_t)M * chunks);
+    job.part_col = malloc(sizeof(int32_t) * (size_t)M * chunks);
+    int failed = !job.part || !job.part_col;
     if (!failed) {
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-        {
-            /* the product of one panel and a block of rows, then the block's running maxima */
-            float *buf = malloc(sizeof(float) * (size_t)pl.mc * (kn->nr + 1) + sizeof(int32_t) * (size_t)pl.mc);
-            ArgmaxCtx ctx = {buf, kn->nr, buf + (size_t)pl.mc * kn->nr, 0};
-            ctx.best_col = (int32_t *)(ctx.best + pl.mc);
-            int item = buf ? __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED) : pl.items;
-            failed |= !buf;
-            while (item < pl.items) {
-                const int next_item = __atomic_fetch_add(&counter, 1, __ATOMIC_RELAXED);
-                const int chunk = item % pl.chunks, m0 = item / pl.chunks * pl.mc;
-                const int mb = M - m0 < pl.mc ? M - m0 : pl.mc;
-                for (int r = 0; r < mb; r++) {
-                    ctx.best[r] = -INFINITY;
-                    ctx.best_col[r] = -1;
-                }
-                run_item(&pl, a, panels, 0, buf, kn->nr, item, next_item, fold_panel, &ctx);
-                memcpy(part + (size_t)chunk * M + m0, ctx.best, sizeof(float) * mb);
-                memcpy(part_col + (size_t)chunk * M + m0, ctx.best_col, sizeof(int32_t) * mb);
-                item = next_item;
-            }
-            free(buf);
-        }
+        pool_run(argmax_part, &job, num_threads);
+        failed = job.failed;
     }
     if (!failed)
         for (int r = 0; r < M; r++) {
             float m = -INFINITY;
             int32_t col = -1;
-            for (int ch = 0; ch < pl.chunks; ch++)
-                if (part[(size_t)ch * M + r] > m) {
-                    m = part[(size_t)ch * M + r];
-                    col = part_col[(size_t)ch * M + r];
+            for (int ch = 0; ch < chunks; ch++)
+                if (job.part[(size_t)ch * M + r] > m) {
+                    m = job.part[(size_t)ch * M + r];
+                    col = job.part_col[(size_t)ch * M + r];
                 }
             out[r] = col < 0 ? 0 : col;
         }
-    free(part);
-    free(part_col);
+    free(job.part);
+    free(job.part_col);
     return failed ? -1 : 0;
 }
 

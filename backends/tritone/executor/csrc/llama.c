@@ -19,6 +19,7 @@
 #include <string.h>
 #include "vexp.h"
 #include "bf16.h"
+#include "pool.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -173,16 +174,49 @@ static void linear(const LlamaModel *m, const float *x, uint16_t *x_bf16, const 
         gemm_f32(a, panels, bias, out, T, K, N, num_threads);
 }
 
-/* residual += out and normed = norm(residual) with `weight`, for T rows of n. */
-static void add_norm_rows(float *residual, const float *out, const float *weight, float *normed, int T, int n,
-                          float eps, int threads) {
-#pragma omp parallel for num_threads(threads)
-    for (int t = 0; t < T; t++) {
-        float *r = residual + (size_t)t * n;
-        const float *o = out + (size_t)t * n;
-        for (int j = 0; j < n; j++) r[j] += o[j];
-        rms_norm(r, weight, normed + (size_t)t * n, n, eps);
-    }
+/* One step's buffers and the layer at hand, for the row-parallel work between the GEMMs. */
+typedef struct {
+    const LlamaModel *m;
+    const LlamaBatch *b;
+    const LlamaLayer *l;
+    const float *norm; /* the RMSNorm weight of add_norm_row */
+    float *residual, *normed, *out, *queries, *wide, *act;
+    int qkv_size, q_size;
+} Rows;
+
+/* Token t's embedding into the residual, and its first norm. */
+static void embed_row(void *r_, int64_t t) {
+    const Rows *r = r_;
+    const LlamaModel *m = r->m;
+    const int Hd = m->hidden;
+    float *res = r->residual + (size_t)t * Hd;
+    if (m->bf16)
+        bf16_to_f32_row((const uint16_t *)m->embed + (size_t)r->b->ids[t] * Hd, res, Hd);
+    else
+        memcpy(res, (const float *)m->embed + (size_t)r->b->ids[t] * Hd, sizeof(float) * Hd);
+    rms_norm(res, m->layers[0].input_norm, r->normed + (size_t)t * Hd, Hd, m->eps);
+}
+
+/* residual += out and normed = norm(residual) with r->norm, at row t. */
+static void add_norm_row(void *r_, int64_t t) {
+    const Rows *r = r_;
+    const int n = r->m->hidden;
+    float *res = r->residual + (size_t)t * n;
+    const float *o = r->out + (size_t)t * n;
+    for (int j = 0; j < n; j++) res[j] += o[j];
+    rms_norm(res, r->norm, r->normed + (size_t)t * n, n, r->m->eps);
+}
+
+static void qkv_row(void *r_, int64_t t) {
+    const Rows *r = r_;
+    qkv_to_cache(r->m, r->l, r->wide + (size_t)t * r->qkv_size, r->b->positions[t], r->b->slots[t],
+                 r->queries + (size_t)t * r->q_size);
+}
+
+static void silu_mul_row(void *r_, int64_t t) {
+    const Rows *r = r_;
+    const int I = r->m->intermediate;
+    silu_mul(r->wide + (size_t)t * 2 * I, r->act + (size_t)t * I, I);
 }
 
 /* Floats per token of the scratch that holds a layer's QKV rows, or its gate_up rows and the
@@ -212,41 +246,33 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
                   int num_threads) {
     const int T = b->num_tokens, Hd = m->hidden, I = m->intermediate;
     const int q_size = m->num_heads * m->head_dim, qkv_size = q_size + 2 * m->num_kv_heads * m->head_dim;
-    const int threads = T >= PARALLEL_ROWS ? num_threads : 1;
     float *residual = scratch, *normed = residual + (size_t)T * Hd, *out = normed + (size_t)T * Hd;
     float *queries = out + (size_t)T * Hd, *attn = queries + (size_t)T * q_size;
     float *wide = attn + (size_t)T * q_size; /* qkv rows, or gate_up rows and the activation */
     float *act = wide + (size_t)T * 2 * I;
     uint16_t *x_bf16 = (uint16_t *)(wide + (size_t)T * wide_floats(m));
 
-#pragma omp parallel for num_threads(threads)
-    for (int t = 0; t < T; t++) {
-        float *r = residual + (size_t)t * Hd;
-        if (m->bf16) {
-            bf16_to_f32_row((const uint16_t *)m->embed + (size_t)b->ids[t] * Hd, r, Hd);
-        } else {
-            memcpy(r, (const float *)m->embed + (size_t)b->ids[t] * Hd, sizeof(float) * Hd);
-        }
-        rms_norm(r, m->layers[0].input_norm, normed + (size_t)t * Hd, Hd, m->eps);
-    }
+    Rows rows = {m, b, 0, 0, residual, normed, out, queries, wide, act, qkv_size, q_size};
+    pool_for(T, PARALLEL_ROWS, embed_row, &rows, num_threads);
     for (int i = 0; i < m->num_layers; i++) {
         const LlamaLayer *l = &m->layers[i];
+        rows.l = l;
         linear(m, normed, x_bf16, l->qkv, l->qkv_bias, wide, T, Hd, qkv_size, num_threads);
-#pragma omp parallel for num_threads(threads)
-        for (int t = 0; t < T; t++)
-            qkv_to_cache(m, l, wide + (size_t)t * qkv_size, b->positions[t], b->slots[t], queries + (size_t)t * q_size);
+        pool_for(T, PARALLEL_ROWS, qkv_row, &rows, num_threads);
         const int rc = paged_attention(queries, l->k_cache, l->v_cache, b->block_tables, b->query_start, b->seq_lens,
                                        attn, b->num_seqs, m->num_heads, m->num_kv_heads, m->head_dim, b->block_size,
                                        b->max_blocks, m->scale, m->bf16, num_threads);
         if (rc) return rc;
         linear(m, attn, x_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
-        add_norm_rows(residual, out, l->post_norm, normed, T, Hd, m->eps, threads);
+        rows.norm = l->post_norm;
+        pool_for(T, PARALLEL_ROWS, add_norm_row, &rows, num_threads);
         linear(m, normed, x_bf16, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
-#pragma omp parallel for num_threads(threads)
-        for (int t = 0; t < T; t++) silu_mul(wide + (size_t)t * 2 * I, act + (size_t)t * I, I);
+        pool_for(T, PARALLEL_ROWS, silu_mul_row, &rows, num_threads);
         linear(m, act, x_bf16, l->down, l->down_bias, out, T, I, Hd, num_threads);
-        if (i + 1 < m->num_layers)
-            add_norm_rows(residual, out, m->layers[i + 1].input_norm, normed, T, Hd, m->eps, threads);
+        if (i + 1 < m->num_layers) {
+            rows.norm = m->layers[i + 1].input_norm;
+            pool_for(T, PARALLEL_ROWS, add_norm_row, &rows, num_threads);
+        }
     }
     /* The last layer's residual add and the final norm only at the rows that are sampled. */
     for (int s = 0; s < b->num_logits; s++) {

@@ -16,6 +16,7 @@
 #include <string.h>
 #include "vexp.h"
 #include "bf16.h"
+#include "pool.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
@@ -371,13 +372,52 @@ ATTEND(attend_64_bf16, 64, 1)
 ATTEND(attend_128_bf16, 128, 1)
 ATTEND(attend_any_bf16, a->head_dim, 1)
 
+typedef struct {
+    const Args *a;
+    void (*attend)(const Args *, WorkItem, Scratch *);
+    const WorkItem *items;
+    int num_items, max_ctx;
+    size_t item_rows;
+    void (*decode)(const Args *, int, Scratch *);
+    int counter, failed;
+} AttentionJob;
+
+static void attention_part(void *job_, int thread, int num_threads) {
+    (void)thread, (void)num_threads;
+    AttentionJob *job = job_;
+    const int head_dim = job->a->head_dim, max_ctx = job->max_ctx;
+    Scratch s;
+    s.k_rows = malloc(2 * sizeof(void *) * max_ctx);
+    s.scores = malloc(sizeof(float) * (max_ctx + job->item_rows * (head_dim + 2)));
+    if (!s.k_rows || !s.scores) {
+        __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+    } else {
+        s.v_rows = s.k_rows + max_ctx;
+        s.acc = s.scores + max_ctx;
+        s.row_max = s.acc + job->item_rows * head_dim;
+        s.row_sum = s.row_max + job->item_rows;
+        for (int i; (i = pool_next(&job->counter)) < job->num_items;) {
+            const WorkItem w = job->items[i];
+#ifdef HAVE_DECODE_KERNEL
+            if (w.kv_head < 0) {
+                job->decode(job->a, w.seq, &s);
+                continue;
+            }
+#endif
+            job->attend(job->a, w, &s);
+        }
+    }
+    free(s.k_rows);
+    free(s.scores);
+}
+
 /* q, out: [num_tokens, num_heads, head_dim] float32, the tokens of sequence s at rows
  * [query_start[s], query_start[s + 1]). k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
  * float32 (is_bf16 = 0) or bfloat16 (is_bf16 = 1), already holding the new tokens' keys and
  * values. block_tables: [num_seqs, max_blocks] int32. seq_lens: [num_seqs] int32, the context
  * length after this step's tokens, each >= its query length >= 1. Rows of out
  * that belong to no sequence (padding) are left as they are. Work is shared among num_threads
- * OpenMP threads (the caller passes torch's count). Returns 0, -1 when out of memory, -2 for
+ * threads (the caller passes torch's count). Returns 0, -1 when out of memory, -2 for
  * a head_dim that is over 256 or not a multiple of 8. */
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, const int32_t *query_start, const int32_t *seq_lens,
@@ -394,7 +434,7 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
         is_bf16 ? (head_dim == 64 ? decode_64_bf16 : head_dim == 128 ? decode_128_bf16 : decode_any_bf16)
                 : (head_dim == 64 ? decode_64 : head_dim == 128 ? decode_128 : decode_any);
 #endif
-    int num_items = 0, max_ctx = 1, failed = 0;
+    int num_items = 0, max_ctx = 1;
     for (int s = 0; s < num_seqs; s++) {
         const int q_len = query_start[s + 1] - query_start[s];
         num_items += IS_DECODE(q_len) ? 1 : (q_len + QUERY_TILE - 1) / QUERY_TILE * num_kv_heads;
@@ -416,33 +456,11 @@ int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                 items[n++] = w;
             }
     }
-    const size_t item_rows = (size_t)QUERY_TILE * (num_heads / num_kv_heads);
-#pragma omp parallel num_threads(num_threads) reduction(| : failed)
-    {
-        Scratch s;
-        s.k_rows = malloc(2 * sizeof(void *) * max_ctx);
-        s.scores = malloc(sizeof(float) * (max_ctx + item_rows * (head_dim + 2)));
-        if (!s.k_rows || !s.scores) {
-            failed = 1;
-        } else {
-            s.v_rows = s.k_rows + max_ctx;
-            s.acc = s.scores + max_ctx;
-            s.row_max = s.acc + item_rows * head_dim;
-            s.row_sum = s.row_max + item_rows;
-#pragma omp for schedule(dynamic, 1)
-            for (int i = 0; i < num_items; i++) {
+    AttentionJob job = {&a, attend, items, num_items, max_ctx, (size_t)QUERY_TILE * (num_heads / num_kv_heads)};
 #ifdef HAVE_DECODE_KERNEL
-                if (items[i].kv_head < 0) {
-                    decode(&a, items[i].seq, &s);
-                    continue;
-                }
+    job.decode = decode;
 #endif
-                attend(&a, items[i], &s);
-            }
-        }
-        free(s.k_rows);
-        free(s.scores);
-    }
+    pool_run(attention_part, &job, num_threads);
     free(items);
-    return failed ? -1 : 0;
+    return job.failed ? -1 : 0;
 }

@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "vexp.h"
+#include "pool.h"
 
 #define BLOCK 8
 
@@ -85,10 +86,23 @@ static int64_t sample_row(const float *x, int64_t n, float inv_temp, double u) {
 
 /* x: [rows, n] float32 logits, contiguous; inv_temp, u: [rows] (u uniform in [0, 1));
  * out: [rows] int64. */
+typedef struct {
+    const float *x;
+    int64_t n;
+    const float *inv_temp;
+    const double *u;
+    int64_t *out;
+} SampleRows;
+
+static void sample_one(void *job_, int64_t r) {
+    const SampleRows *job = job_;
+    job->out[r] = sample_row(job->x + r * job->n, job->n, job->inv_temp[r], job->u[r]);
+}
+
 void sample_rows(const float *x, int64_t rows, int64_t n, const float *inv_temp, const double *u, int64_t *out,
                  int num_threads) {
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (rows > 1)
-    for (int64_t r = 0; r < rows; r++) out[r] = sample_row(x + r * n, n, inv_temp[r], u[r]);
+    SampleRows job = {x, n, inv_temp, u, out};
+    pool_for(rows, 2, sample_one, &job, num_threads);
 }
 
 /* Floats in an order-preserving unsigned key: ascending keys, ascending values. */
@@ -171,19 +185,31 @@ static int top_p_row(float *x, int64_t n, float top_p, double *mass, Entry **bou
 
 /* x: [rows, n] float32 logits, contiguous, masked in place; top_p: [rows] in (0, 1], a row with 1
  * left as it is. Returns 0, or -1 when out of memory. */
+typedef struct {
+    float *x;
+    int64_t rows, n;
+    const float *top_p;
+    int64_t next;
+    int failed;
+} TopPJob;
+
+static void top_p_part(void *job_, int thread, int num_threads) {
+    (void)thread, (void)num_threads;
+    TopPJob *job = job_;
+    double *mass = malloc(sizeof(double) * TOP_P_BUCKETS);
+    Entry *boundary = NULL;
+    int64_t capacity = 0;
+    int failed = !mass;
+    for (int64_t r; mass && (r = __atomic_fetch_add(&job->next, 1, __ATOMIC_RELAXED)) < job->rows;)
+        if (job->top_p[r] < 1.0f)
+            failed |= top_p_row(job->x + r * job->n, job->n, job->top_p[r], mass, &boundary, &capacity) != 0;
+    free(mass);
+    free(boundary);
+    if (failed) __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
+}
+
 int top_p_rows(float *x, int64_t rows, int64_t n, const float *top_p, int num_threads) {
-    int failed = 0;
-#pragma omp parallel num_threads(num_threads) reduction(| : failed) if (rows > 1)
-    {
-        double *mass = malloc(sizeof(double) * TOP_P_BUCKETS);
-        Entry *boundary = NULL;
-        int64_t capacity = 0;
-        failed |= !mass;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t r = 0; r < rows; r++)
-            if (mass && top_p[r] < 1.0f) failed |= top_p_row(x + r * n, n, top_p[r], mass, &boundary, &capacity) != 0;
-        free(mass);
-        free(boundary);
-    }
-    return failed ? -1 : 0;
+    TopPJob job = {x, rows, n, top_p, 0, 0};
+    pool_run(top_p_part, &job, rows > 1 ? num_threads : 1);
+    return job.failed ? -1 : 0;
 }
