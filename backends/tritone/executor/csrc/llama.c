@@ -164,14 +164,19 @@ static const void *gemm_input(const LlamaModel *m, const float *x, uint16_t *x_b
     return x_bf16;
 }
 
-/* out [T, N] = x [T, K] @ the linear's panels (+ bias), in the model's dtype. */
-static void linear(const LlamaModel *m, const float *x, uint16_t *x_bf16, const void *panels, const float *bias,
-                   float *out, int T, int K, int N, int num_threads) {
-    const void *a = gemm_input(m, x, x_bf16, T, K, num_threads);
+/* out [T, N] = a [T, K] @ the linear's panels (+ bias), a as gemm_input gives it. */
+static void linear_of(const LlamaModel *m, const void *a, const void *panels, const float *bias, float *out, int T,
+                      int K, int N, int num_threads) {
     if (m->bf16)
         gemm_bf16(a, panels, bias, out, T, K, N, num_threads);
     else
         gemm_f32(a, panels, bias, out, T, K, N, num_threads);
+}
+
+/* out [T, N] = x [T, K] @ the linear's panels (+ bias), in the model's dtype. */
+static void linear(const LlamaModel *m, const float *x, uint16_t *x_bf16, const void *panels, const float *bias,
+                   float *out, int T, int K, int N, int num_threads) {
+    linear_of(m, gemm_input(m, x, x_bf16, T, K, num_threads), panels, bias, out, T, K, N, num_threads);
 }
 
 /* One step's buffers and the layer at hand, for the row-parallel work between the GEMMs. */
@@ -181,8 +186,19 @@ typedef struct {
     const LlamaLayer *l;
     const float *norm; /* the RMSNorm weight of add_norm_row */
     float *residual, *normed, *out, *queries, *wide, *act;
+    uint16_t *x_bf16;
     int qkv_size, q_size;
 } Rows;
+
+/* Row t of x [T, K], just written, rounded into the next GEMM's bf16 input (as gemm_input would,
+ * but while the row is in cache and without a pass of its own); nothing for an fp32 model. */
+static void to_gemm_input_row(const Rows *r, const float *x, int64_t t, int K) {
+    if (!r->m->bf16) return;
+    const int Kp = K + (K & 1);
+    uint16_t *dst = r->x_bf16 + (size_t)t * Kp;
+    f32_to_bf16_row(x + (size_t)t * K, dst, K);
+    if (K & 1) dst[K] = 0;
+}
 
 /* Token t's embedding into the residual, and its first norm. */
 static void embed_row(void *r_, int64_t t) {
@@ -195,6 +211,7 @@ static void embed_row(void *r_, int64_t t) {
     else
         memcpy(res, (const float *)m->embed + (size_t)r->b->ids[t] * Hd, sizeof(float) * Hd);
     rms_norm(res, m->layers[0].input_norm, r->normed + (size_t)t * Hd, Hd, m->eps);
+    to_gemm_input_row(r, r->normed, t, Hd);
 }
 
 /* residual += out and normed = norm(residual) with r->norm, at row t. */
@@ -205,6 +222,7 @@ static void add_norm_row(void *r_, int64_t t) {
     const float *o = r->out + (size_t)t * n;
     for (int j = 0; j < n; j++) res[j] += o[j];
     rms_norm(res, r->norm, r->normed + (size_t)t * n, n, r->m->eps);
+    to_gemm_input_row(r, r->normed, t, n);
 }
 
 static void qkv_row(void *r_, int64_t t) {
@@ -217,6 +235,7 @@ static void silu_mul_row(void *r_, int64_t t) {
     const Rows *r = r_;
     const int I = r->m->intermediate;
     silu_mul(r->wide + (size_t)t * 2 * I, r->act + (size_t)t * I, I);
+    to_gemm_input_row(r, r->act, t, I);
 }
 
 /* Floats per token of the scratch that holds a layer's QKV rows, or its gate_up rows and the
@@ -252,12 +271,14 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
     float *act = wide + (size_t)T * 2 * I;
     uint16_t *x_bf16 = (uint16_t *)(wide + (size_t)T * wide_floats(m));
 
-    Rows rows = {m, b, 0, 0, residual, normed, out, queries, wide, act, qkv_size, q_size};
+    Rows rows = {m, b, 0, 0, residual, normed, out, queries, wide, act, x_bf16, qkv_size, q_size};
+    /* The GEMM input that the row work before a linear has already rounded (see to_gemm_input_row). */
+    const void *normed_in = m->bf16 ? (const void *)x_bf16 : normed, *act_in = m->bf16 ? (const void *)x_bf16 : act;
     pool_for(T, PARALLEL_ROWS, embed_row, &rows, num_threads);
     for (int i = 0; i < m->num_layers; i++) {
         const LlamaLayer *l = &m->layers[i];
         rows.l = l;
-        linear(m, normed, x_bf16, l->qkv, l->qkv_bias, wide, T, Hd, qkv_size, num_threads);
+        linear_of(m, normed_in, l->qkv, l->qkv_bias, wide, T, Hd, qkv_size, num_threads);
         pool_for(T, PARALLEL_ROWS, qkv_row, &rows, num_threads);
         const int rc = paged_attention(queries, l->k_cache, l->v_cache, b->block_tables, b->query_start, b->seq_lens,
                                        attn, b->num_seqs, m->num_heads, m->num_kv_heads, m->head_dim, b->block_size,
@@ -266,9 +287,9 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
         linear(m, attn, x_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
         rows.norm = l->post_norm;
         pool_for(T, PARALLEL_ROWS, add_norm_row, &rows, num_threads);
-        linear(m, normed, x_bf16, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
+        linear_of(m, normed_in, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
         pool_for(T, PARALLEL_ROWS, silu_mul_row, &rows, num_threads);
-        linear(m, act, x_bf16, l->down, l->down_bias, out, T, I, Hd, num_threads);
+        linear_of(m, act_in, l->down, l->down_bias, out, T, I, Hd, num_threads);
         if (i + 1 < m->num_layers) {
             rows.norm = m->layers[i + 1].input_norm;
             pool_for(T, PARALLEL_ROWS, add_norm_row, &rows, num_threads);
