@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import threading
+import time
 
 import pytest
 import torch
@@ -191,6 +193,55 @@ def test_native_gemm_over_blocks_of_rows(rows):
     x = torch.randn(rows, 1000, generator=gen)
     got = kernels.gemm_f32(x, kernels.pack_f32(weight), bias, 70)
     torch.testing.assert_close(got, torch.addmm(bias, x, weight), rtol=1e-4, atol=1e-3)
+
+
+def test_native_kernels_called_from_several_threads_at_once():
+    # The kernels' thread pool runs one job at a time; a caller that finds it busy runs its job
+    # alone. Each thread's products must stay its own (ctypes lets the calls overlap).
+    gen = torch.Generator().manual_seed(5)
+    weight = torch.randn(300, 130, generator=gen)
+    panels = kernels.pack_f32(weight)
+    inputs = [torch.randn(40, 300, generator=gen) for _ in range(4)]
+    want = [x @ weight for x in inputs]
+    failures = []
+
+    def work(i):
+        for _ in range(50):
+            got = kernels.gemm_f32(inputs[i], panels, None, 130)
+            if not torch.allclose(got, want[i], rtol=1e-4, atol=1e-3):
+                failures.append(i)
+                return
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not any(t.is_alive() for t in threads), "a kernel call never returned"
+    assert not failures
+
+
+def test_native_kernels_run_in_a_forked_child():
+    # A child forked after the pool's workers started has none of them: its kernels must still
+    # run (on threads of its own) rather than wait forever for the parent's.
+    gen = torch.Generator().manual_seed(6)
+    weight, x = torch.randn(200, 90, generator=gen), torch.randn(64, 200, generator=gen)
+    panels, want = kernels.pack_f32(weight), x @ weight  # torch's own threads do not survive a fork
+    kernels.gemm_f32(x, panels, None, 90)  # the parent's workers start here
+    pid = os.fork()
+    if pid == 0:  # the child: exit status 0 when its product is right
+        ok = torch.allclose(kernels.gemm_f32(x, panels, None, 90), want, rtol=1e-4, atol=1e-3)
+        os._exit(0 if ok else 1)
+    for _ in range(600):
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child's kernel call never returned")
+    assert os.waitstatus_to_exitcode(status) == 0
 
 
 @pytest.mark.parametrize("rows,k,n", [(1, 64, 4099), (7, 64, 1000), (300, 64, 5003), (50, 1000, 333)])
