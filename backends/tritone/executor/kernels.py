@@ -28,7 +28,7 @@ _HEADERS = [_CSRC / "vexp.h", _CSRC / "bf16.h", _CSRC / "pool.h"]
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
-          "-fno-trapping-math", "-pthread", "-shared", "-fPIC"]
+          "-fno-trapping-math", "-fopenmp", "-pthread", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _loaded = False
 

@@ -261,8 +261,8 @@ size_t llama_scratch_floats(const LlamaModel *m, int num_tokens) {
  * set, only each such row's greedy token into greedy_ids [num_logits] (logits unused). scratch
  * holds llama_scratch_floats(m, b->num_tokens) floats. Returns paged_attention's or
  * gemm_f32_argmax's error, else 0. */
-int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, float *logits, int64_t *greedy_ids,
-                  int num_threads) {
+static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, float *logits, int64_t *greedy_ids,
+                   int num_threads) {
     const int T = b->num_tokens, Hd = m->hidden, I = m->intermediate;
     const int q_size = m->num_heads * m->head_dim, qkv_size = q_size + 2 * m->num_kv_heads * m->head_dim;
     float *residual = scratch, *normed = residual + (size_t)T * Hd, *out = normed + (size_t)T * Hd;
@@ -310,4 +310,13 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
     const void *a = gemm_input(m, normed, x_bf16, b->num_logits, Hd, num_threads);
     return m->bf16 ? gemm_bf16_argmax(a, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads)
                    : gemm_f32_argmax(a, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads);
+}
+
+/* forward() (above), its workers waiting for each next section without sleeping (pool.c). */
+int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, float *logits, int64_t *greedy_ids,
+                  int num_threads) {
+    pool_warm_begin();
+    const int rc = forward(m, b, scratch, logits, greedy_ids, num_threads);
+    pool_warm_end();
+    return rc;
 }

@@ -14,11 +14,18 @@
  * Here a waiting thread spins for a few microseconds, then yields its core (sched_yield) between
  * looks: another process that wants the core gets it at once, and when none does the thread
  * sees its next section without a wake-up. A worker sleeps (futex) only after a couple of
- * milliseconds with no work, so that an idle server uses no CPU. */
+ * milliseconds with no work, so that an idle server uses no CPU.
+ *
+ * The pool runs the sections of a native forward pass (pool_warm_begin / pool_warm_end); other
+ * calls go to OpenMP's team as before. Where the kernels run one GEMM at a time between torch's
+ * own ops (the torch forward path), workers of the pool's own either took the cores from torch's
+ * OpenMP threads (yielding: a batch-32 step 24-41 -> 89-107 ms) or paid a wake-up per GEMM
+ * (sleeping: 48-56 ms). */
 #define _GNU_SOURCE
 #include "pool.h"
 
 #include <limits.h>
+#include <omp.h>
 #include <linux/futex.h>
 #include <pthread.h>
 #include <sched.h>
@@ -49,6 +56,8 @@ static void *job_ctx;
 static int job_threads;
 /* Workers yet to finish the current job (every worker, part of it or not, counts down once). */
 static int pending;
+/* Native forward passes under way (pool_warm_begin): the pool runs only their sections. */
+static int warm_depth;
 
 static inline void relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -127,6 +136,14 @@ static int start_workers(int wanted) {
 }
 
 void pool_run(pool_fn fn, void *ctx, int num_threads) {
+    if (num_threads > 1 && !__atomic_load_n(&warm_depth, __ATOMIC_RELAXED)) {
+        /* Outside a native forward pass the kernels run one at a time between torch's own ops
+         * (the torch forward path, the sampler): there torch's OpenMP team, which those ops keep
+         * awake, runs them; a second set of threads only took its cores (above). */
+#pragma omp parallel num_threads(num_threads)
+        fn(ctx, omp_get_thread_num(), omp_get_num_threads());
+        return;
+    }
     if (num_threads > MAX_WORKERS + 1) num_threads = MAX_WORKERS + 1;
     if (num_threads > 1) pthread_once(&once, register_fork_handler);
     if (num_threads <= 1 || pthread_mutex_trylock(&busy)) {
@@ -149,6 +166,10 @@ void pool_run(pool_fn fn, void *ctx, int num_threads) {
         wait_change((const unsigned *)&pending, (unsigned)left, 0);
     pthread_mutex_unlock(&busy);
 }
+
+void pool_warm_begin(void) { __atomic_fetch_add(&warm_depth, 1, __ATOMIC_RELAXED); }
+
+void pool_warm_end(void) { __atomic_fetch_sub(&warm_depth, 1, __ATOMIC_RELAXED); }
 
 typedef struct {
     void (*body)(void *ctx, int64_t i);
