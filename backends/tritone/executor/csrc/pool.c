@@ -1,7 +1,7 @@
 /* The kernels' threads: the caller and persistent workers, and a wait that yields its core.
  *
  * Served on a machine whose cores the engine shares with the server's other processes (the
- * detokenizers, the server, the client), a forward pass runs some 400 short parallel sections per
+ * detokenizers, the server, the client), a forward pass runs some 300 short parallel sections per
  * step (each GEMM, each layer's attention and elementwise work). OpenMP's threads, between
  * sections, spin briefly and then sleep in the kernel: when the server's processes preempt one
  * thread, its partner sleeps, and every later section then pays a wake-up of the sleeper (tens of
