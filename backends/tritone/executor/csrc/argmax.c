@@ -45,7 +45,6 @@ static int64_t row_argmax(const float *x, int64_t n) {
     return arg;
 }
 
-/* x: [rows, n] float32, contiguous; out: [rows] int64. */
 typedef struct {
     const float *x;
     int64_t n, *out;
@@ -56,6 +55,7 @@ static void argmax_row(void *job_, int64_t r) {
     job->out[r] = row_argmax(job->x + r * job->n, job->n);
 }
 
+/* x: [rows, n] float32, contiguous; out: [rows] int64. */
 void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads) {
     ArgmaxRows job = {x, n, out};
     pool_for(rows, 2, argmax_row, &job, num_threads);

@@ -180,8 +180,6 @@ int gemm_bf16_supported(void) {
 #endif
 }
 
-/* x [M, K] float32 into out [M, K rounded up to even] bf16, rounded to nearest even, the pad
- * column zero: gemm_bf16's A. */
 typedef struct {
     const float *x;
     uint16_t *out;
@@ -195,6 +193,8 @@ static void to_bf16_row(void *job_, int64_t m) {
     if (K & 1) job->out[(size_t)m * Kp + K] = 0;
 }
 
+/* x [M, K] float32 into out [M, K rounded up to even] bf16, rounded to nearest even, the pad
+ * column zero: gemm_bf16's A. */
 void to_bf16_rows(const float *x, uint16_t *out, int M, int K, int num_threads) {
     ToBf16 job = {x, out, K};
     pool_for(M, 8, to_bf16_row, &job, num_threads);
@@ -277,11 +277,6 @@ static void run_item(const Plan *pl, const void *a, const void *panels, const fl
     }
 }
 
-/* Threads take runs of CHUNK panels from a shared counter rather than fixed halves: on a machine
- * where the server's other processes share the engine's cores, a thread that the kernel preempts
- * would otherwise leave its partner waiting at the end of every GEMM for the rest of its half.
- * Each thread claims its next run before computing the current one, so that it knows what to
- * prefetch. */
 typedef struct {
     Plan pl;
     const void *a, *panels;
@@ -301,6 +296,11 @@ static void gemm_part(void *job_, int thread, int num_threads) {
     }
 }
 
+/* Threads take runs of CHUNK panels from a shared counter rather than fixed halves: on a machine
+ * where the server's other processes share the engine's cores, a thread that the kernel preempts
+ * would otherwise leave its partner waiting at the end of every GEMM for the rest of its half.
+ * Each thread claims its next run before computing the current one, so that it knows what to
+ * prefetch. */
 static void gemm_run(const Kernel *kn, const void *a, const void *panels, const float *bias, float *c, int M, int K,
                      int N, int num_threads) {
     if (M <= 0) return;

@@ -84,8 +84,6 @@ static int64_t sample_row(const float *x, int64_t n, float inv_temp, double u) {
     return last < 0 ? 0 : last;
 }
 
-/* x: [rows, n] float32 logits, contiguous; inv_temp, u: [rows] (u uniform in [0, 1));
- * out: [rows] int64. */
 typedef struct {
     const float *x;
     int64_t n;
@@ -99,6 +97,8 @@ static void sample_one(void *job_, int64_t r) {
     job->out[r] = sample_row(job->x + r * job->n, job->n, job->inv_temp[r], job->u[r]);
 }
 
+/* x: [rows, n] float32 logits, contiguous; inv_temp, u: [rows] (u uniform in [0, 1));
+ * out: [rows] int64. */
 void sample_rows(const float *x, int64_t rows, int64_t n, const float *inv_temp, const double *u, int64_t *out,
                  int num_threads) {
     SampleRows job = {x, n, inv_temp, u, out};
@@ -183,8 +183,6 @@ static int top_p_row(float *x, int64_t n, float top_p, double *mass, Entry **bou
     return 0;
 }
 
-/* x: [rows, n] float32 logits, contiguous, masked in place; top_p: [rows] in (0, 1], a row with 1
- * left as it is. Returns 0, or -1 when out of memory. */
 typedef struct {
     float *x;
     int64_t rows, n;
@@ -208,6 +206,8 @@ static void top_p_part(void *job_, int thread, int num_threads) {
     if (failed) __atomic_store_n(&job->failed, 1, __ATOMIC_RELAXED);
 }
 
+/* x: [rows, n] float32 logits, contiguous, masked in place; top_p: [rows] in (0, 1], a row with 1
+ * left as it is. Returns 0, or -1 when out of memory. */
 int top_p_rows(float *x, int64_t rows, int64_t n, const float *top_p, int num_threads) {
     TopPJob job = {x, rows, n, top_p, 0, 0};
     pool_run(top_p_part, &job, rows > 1 ? num_threads : 1);
