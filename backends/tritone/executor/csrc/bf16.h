@@ -21,6 +21,13 @@ static inline void f32_to_bf16_row(const float *src, uint16_t *dst, int n) {
     }
 }
 
+/* A row of K floats as a bf16 GEMM reads its input: rounded, padded to an even length with a
+ * zero (pairs of k are the operand of vdpbf16ps). */
+static inline void f32_to_bf16_gemm_row(const float *src, uint16_t *dst, int K) {
+    f32_to_bf16_row(src, dst, K);
+    if (K & 1) dst[K] = 0;
+}
+
 /* Exact: a bf16 is the top half of a float32. */
 static inline void bf16_to_f32_row(const uint16_t *src, float *dst, int n) {
     int k = 0;

@@ -188,9 +188,8 @@ typedef struct {
 
 static void to_bf16_row(void *job_, int64_t m) {
     const ToBf16 *job = job_;
-    const int K = job->K, Kp = K + (K & 1);
-    f32_to_bf16_row(job->x + (size_t)m * K, job->out + (size_t)m * Kp, K);
-    if (K & 1) job->out[(size_t)m * Kp + K] = 0;
+    const int K = job->K;
+    f32_to_bf16_gemm_row(job->x + (size_t)m * K, job->out + (size_t)m * (K + (K & 1)), K);
 }
 
 /* x [M, K] float32 into out [M, K rounded up to even] bf16, rounded to nearest even, the pad

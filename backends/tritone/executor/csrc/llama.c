@@ -193,11 +193,7 @@ typedef struct {
 /* Row t of x [T, K], just written, rounded into the next GEMM's bf16 input (as gemm_input would,
  * but while the row is in cache and without a pass of its own); nothing for an fp32 model. */
 static void to_gemm_input_row(const Rows *r, const float *x, int64_t t, int K) {
-    if (!r->m->bf16) return;
-    const int Kp = K + (K & 1);
-    uint16_t *dst = r->x_bf16 + (size_t)t * Kp;
-    f32_to_bf16_row(x + (size_t)t * K, dst, K);
-    if (K & 1) dst[K] = 0;
+    if (r->m->bf16) f32_to_bf16_gemm_row(x + (size_t)t * K, r->x_bf16 + (size_t)t * (K + (K & 1)), K);
 }
 
 /* Token t's embedding into the residual, and its first norm. */

@@ -147,8 +147,7 @@ void pool_run(pool_fn fn, void *ctx, int num_threads) {
     if (num_threads > MAX_WORKERS + 1) num_threads = MAX_WORKERS + 1;
     if (num_threads > 1) pthread_once(&once, register_fork_handler);
     if (num_threads <= 1 || pthread_mutex_trylock(&busy)) {
-        const int n = num_threads > 1 ? num_threads : 1;
-        for (int t = 0; t < n; t++) fn(ctx, t, n);
+        fn(ctx, 0, 1); /* every fn takes its work from a shared counter: one call does it all */
         return;
     }
     const int workers = start_workers(num_threads - 1);

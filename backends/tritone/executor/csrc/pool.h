@@ -6,9 +6,10 @@
 
 /* Runs fn(ctx, thread, num_threads) for thread = 0 .. num_threads - 1, thread 0 on the caller,
  * and returns when every call has returned: on the pool's threads inside a native forward pass
- * (pool_warm_begin), else on OpenMP's team (which may give fewer threads: fn must share its work
- * whatever num_threads it gets). A call made while the pool is busy (from another thread, or
- * from inside fn) runs all of its threads' parts on the caller, one after another. */
+ * (pool_warm_begin), else on OpenMP's team. fn takes its work from a shared counter (pool_next),
+ * never a share fixed by thread, so that it does all of it whatever num_threads it gets: a call
+ * made while the pool is busy (from another thread, or from inside fn) runs fn once on the
+ * caller, with num_threads 1. */
 void pool_run(void (*fn)(void *ctx, int thread, int num_threads), void *ctx, int num_threads);
 
 /* body(ctx, i) for i in [0, n), the indices taken in chunks from a shared counter; on the caller
