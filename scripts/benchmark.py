@@ -37,6 +37,7 @@ from tritone.launcher import Server, build_parser, free_port
 from tritone.models import resolve_model
 from tritone_client import infer_inputs
 from tritone_client.load import STEP_PHASES, ServerMetrics, format_breakdown, step_breakdown
+from tritone_client.proc_cpu import ProcessTree, format_per_token, per_token_ms
 
 import peer_vllm
 
@@ -98,6 +99,7 @@ async def closed_loop(one, prompts, concurrency, label="") -> dict:
     return {"output_tokens_per_s": sum(counts) / elapsed, "ttft_mean": statistics.mean(ttfts),
             "ttft_p99": percentile(ttfts, 99), "itl_mean": statistics.mean(itls) if itls else float("nan"),
             "itl_p99": percentile(itls, 99), "elapsed_s": elapsed, "num_requests": len(counts),
+            "num_output_tokens": sum(counts),
             "tokens_per_response": sum(counts) / max(1, sum(responses))}
 
 
@@ -240,12 +242,14 @@ def run_tritone(args, model_dir, prompts, results):
         url = f"{server_args.host}:{server_args.grpc_port}"
         metrics = ServerMetrics(f"http://{server_args.host}:{server_args.metrics_port}/metrics")
         asyncio.run(run_level(url, prompts[:4], 4, 8))  # warm-up
+        tree = ProcessTree(server.process.pid)
         for c in args.concurrency:
             metrics.wait_idle()
-            before, t0 = metrics.read(), time.perf_counter()
+            before, t0, cpu = metrics.read(), time.perf_counter(), tree.cpu_seconds()
             level = asyncio.run(run_level(url, level_requests(args, prompts, c), c, args.output_len,
                                           args.temperature, args.top_p))
             seconds = time.perf_counter() - t0
+            level["cpu_ms_per_token"] = per_token_ms(cpu, tree.cpu_seconds(), level["num_output_tokens"])
             metrics.wait_idle()
             after = metrics.read()
             level["forward_busy"] = (after["tritone_forward_seconds_total"]
@@ -253,8 +257,8 @@ def run_tritone(args, model_dir, prompts, results):
             level["step_ms"] = step_breakdown(before, after)
             results["tritone"][c] = level
             print(f"Tritone, concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, "
-                  f"{level['tokens_per_response']:.2f} tokens per response; {format_breakdown(level['step_ms'])}",
-                  flush=True)
+                  f"{level['tokens_per_response']:.2f} tokens per response; {format_breakdown(level['step_ms'])}; "
+                  f"CPU ms per token: {format_per_token(level['cpu_ms_per_token'])}", flush=True)
     finally:
         server.stop()
 
@@ -280,12 +284,16 @@ def run_peer(args, python, model_dir, prompts, results):
         results["peer_ready_s"] = server.wait_ready()
         print(f"vLLM ready in {results['peer_ready_s']:.0f} s", flush=True)
         asyncio.run(run_peer_level(server, prompts[:4], 4, 8, args.prompt_len))  # warm-up
+        tree = ProcessTree(server.process.pid)
         for c in args.concurrency:
+            cpu = tree.cpu_seconds()
             level = asyncio.run(run_peer_level(server, level_requests(args, prompts, c), c, args.output_len,
                                                args.prompt_len, args.temperature, args.top_p))
+            level["cpu_ms_per_token"] = per_token_ms(cpu, tree.cpu_seconds(), level["num_output_tokens"])
             results["peer"][c] = level
             print(f"vLLM, concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, "
-                  f"{level['tokens_per_response']:.2f} tokens per response", flush=True)
+                  f"{level['tokens_per_response']:.2f} tokens per response; "
+                  f"CPU ms per token: {format_per_token(level['cpu_ms_per_token'])}", flush=True)
     finally:
         server.stop()
 
@@ -324,12 +332,28 @@ def print_report(results, args):
             print(f"ITL at concurrency 1: Tritone {1000 * tr[1]['itl_mean']:.1f} ms, vLLM {1000 * peer[1]['itl_mean']:.1f} ms")
         print("tokens per streamed response, Tritone/vLLM: " + ", ".join(
             f"c={c} {tr[c]['tokens_per_response']:.2f}/{peer[c]['tokens_per_response']:.2f}" for c in tr if c in peer))
+    print_cpu_per_token(results)
     if 32 in hf:
         for c in (32, 128):
             if c in tr:
                 print(f"concurrency {c} / HF batch 32: {tr[c]['output_tokens_per_s'] / hf[32]['output_tokens_per_s']:.2f}x")
     if 1 in hf and 1 in tr:
         print(f"ITL at concurrency 1: {1000 * tr[1]['itl_mean']:.1f} ms vs HF batch 1 {1000 * hf[1]['itl_mean']:.1f} ms")
+
+
+def print_cpu_per_token(results):
+    """Each stack's processes, CPU milliseconds per output token (their /proc times over the level)."""
+    rows = [(name, c, r["cpu_ms_per_token"]) for name, key in (("Tritone", "tritone"), ("vLLM CPU", "peer"))
+            for c, r in results[key].items() if "cpu_ms_per_token" in r]
+    if not rows:
+        return
+    roles = sorted({role for *_, report in rows for role in report} - {"other"},
+                   key=lambda role: (role == "text path", role))
+    print("\nCPU milliseconds per output token, by process (text path: tritonserver + preprocessing + postprocessing)")
+    print("| stack | concurrency | " + " | ".join(roles) + " |")
+    print("|---|---|" + "---|" * len(roles))
+    for name, c, report in rows:
+        print(f"| {name} | {c} | " + " | ".join(f"{report[role]:.3f}" if role in report else "" for role in roles) + " |")
 
 
 if __name__ == "__main__":

@@ -109,23 +109,37 @@ def run(stream: ResponseStream, detok: Detokenizer, outputs: list[RequestOutput]
         tensors = stream.on_output(out)
         if tensors is not None:
             assert last is None or not state(last).is_final, "a response after the final one"
-            texts.append(post.text(lambda name: tensors.get(name)))
+            texts.append(post([tensors.get])[0]["TEXT_OUTPUT"][0].decode())
             last = tensors
     return texts, last
 
 
 def test_streamed_responses_carry_context_and_the_final_flag(detokenizer):
-    req = parse_llm_request(getter(input_ids=[1, 2, 3], max_tokens=[3], stream=[True]))
+    req = parse_llm_request(getter(input_ids=[1, 2, 3], max_tokens=[3], stream=[True], return_log_probs=[True]))
     stream = ResponseStream(req, detokenizer)
     first = stream.on_output(output([10], n_out=1))
     second = stream.on_output(output([11, 12], n_out=3))  # the sender may merge two steps' outputs
     last = stream.on_output(output([], finished=True, reason=FinishReason.LENGTH, n_out=3))
-    assert first["TOKEN_IDS"].tolist() == [10] and first["CONTEXT_IDS"].tolist() == []
-    assert second["TOKEN_IDS"].tolist() == [11, 12] and second["CONTEXT_IDS"].tolist() == [10]
+
+    def context(tensors):
+        return ResponseState.context_ids(tensors["STATE"])
+    assert first["TOKEN_IDS"].tolist() == [10] and context(first) == []
+    assert second["TOKEN_IDS"].tolist() == [11, 12] and context(second) == [10]
     assert not state(second).is_final and state(second).num_output_tokens == 3
     assert second["LOG_PROBS"].tolist() == [-1.5, -0.5, -0.5]  # cumulative, then each token's
     assert state(last).is_final and state(last).finish_reason == "length"
-    assert last["CONTEXT_IDS"].tolist() == [10, 11, 12] and last["LOG_PROBS"].tolist() == [-1.5]
+    assert context(last) == [10, 11, 12] and last["LOG_PROBS"].tolist() == [-1.5]
+    # Numbered per stream and across streams, in the order sent.
+    assert [state(t).chunk_seq for t in (first, second, last)] == [1, 1, 1]  # no flow board: not counted
+    assert [state(t).send_seq for t in (first, second, last)] == [0, 1, 2]
+
+
+def test_log_probs_only_when_asked(detokenizer):
+    stream = ResponseStream(parse_llm_request(getter(input_ids=[1], max_tokens=[1])), detokenizer)
+    final = stream.on_output(output([10], finished=True, reason=FinishReason.LENGTH, n_out=1))
+    assert "LOG_PROBS" not in final
+    result = Postprocessor(detokenizer)([final.get])[0]
+    assert "OUT_CUM_LOG_PROBS" not in result and result["OUT_FINISH_REASON"][0] == b"length"
 
 
 @pytest.mark.parametrize("exclude_input", [True, False])
@@ -136,7 +150,7 @@ def test_stream_interval_sends_the_first_token_then_every_nth_and_the_same_text(
     texts = {}
     for interval in (1, 4):
         req = parse_llm_request(getter(input_ids=[1, 2], max_tokens=[len(ids)], stream=[True],
-                                       exclude_input_in_output=[exclude_input]))
+                                       exclude_input_in_output=[exclude_input], return_log_probs=[True]))
         stream = ResponseStream(req, detokenizer, stream_interval=interval)
         sizes = [len(r["TOKEN_IDS"]) - (0 if exclude_input or k else 2)
                  for k, r in enumerate(filter(None, map(stream.on_output, outputs)))]
@@ -154,7 +168,8 @@ def test_stream_interval_parameter_is_checked():
 
 
 def test_non_streamed_request_gets_one_response_with_everything(detokenizer):
-    req = parse_llm_request(getter(input_ids=[1, 2, 3], max_tokens=[2], exclude_input_in_output=[False]))
+    req = parse_llm_request(getter(input_ids=[1, 2, 3], max_tokens=[2], exclude_input_in_output=[False],
+                                   return_log_probs=[True]))
     stream = ResponseStream(req, detokenizer)
     assert stream.on_output(output([10], n_out=1)) is None
     final = stream.on_output(output([11], finished=True, reason=FinishReason.LENGTH, n_out=2))
@@ -177,7 +192,7 @@ def test_a_stop_word_ends_the_answer_right_before_it(detokenizer, tokenizer, ans
     start = data.draw(st.integers(0, len(full) - 1))
     word = full[start:start + data.draw(st.integers(1, 6))]
     req = parse_llm_request(getter(input_ids=[1, 2], max_tokens=[len(ids)], stream=[stream],
-                                   stop_words=np.array([b"\x00never", word.encode()], object)))
+                                   stop_words=np.array([b"\x00never", word.encode()], object), return_log_probs=[True]))
     outputs, sent, sizes = [], 0, iter(steps)
     while sent < len(ids):  # the engine's outputs, several tokens each when the sender merges them
         n = min(len(ids) - sent, next(sizes, 1))

@@ -6,6 +6,7 @@ and send the dicts of arrays returned here, so all parsing and validation is tes
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -13,10 +14,11 @@ import subprocess
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Callable, NamedTuple
+from typing import Callable, Iterator, NamedTuple
 
 import numpy as np
 
+from tritone.flow import ChunkWatch, FlowBoard
 from tritone.request import FinishReason, RequestOutput, SamplingParams
 from tritone.text import Detokenizer, StopMatcher, from_word_list_tensor
 
@@ -102,6 +104,8 @@ class LLMRequest:
     skip_special_tokens: bool
     # Matched on the generated text by ResponseStream; the engine knows nothing of them.
     stop_words: list[str] = field(default_factory=list)
+    # Postprocessing marks the chunks on the flow board (a stream of the ensemble).
+    flow_control: bool = False
 
 
 def parse_llm_request(get: Getter) -> LLMRequest:
@@ -141,6 +145,7 @@ def parse_llm_request(get: Getter) -> LLMRequest:
         exclude_input_in_output=bool(scalar(get, "EXCLUDE_INPUT_IN_OUTPUT", True)),
         skip_special_tokens=bool(scalar(get, "SKIP_SPECIAL_TOKENS", True)),
         stop_words=text_list(get, "STOP_WORDS"),
+        flow_control=bool(scalar(get, "FLOW_CONTROL", False)),
     )
 
 
@@ -165,9 +170,10 @@ FINISH_REASONS = ("",) + tuple(reason.value for reason in FinishReason)
 
 
 class ResponseState(NamedTuple):
-    """An llm response's scalars, packed into one int64 tensor `STATE` in this order (its log
-    probabilities go into one float32 tensor `LOG_PROBS`, the cumulative one first): every tensor
-    is work for the Python backend, tritonserver and postprocessing, once per response."""
+    """An llm response's scalars, packed into one int64 tensor `STATE` in this order and followed
+    by the ids of the chunk's decoding context (its log probabilities, when asked for, go into
+    one float32 tensor `LOG_PROBS`, the cumulative one first): every tensor is work for the Python
+    backend, tritonserver and postprocessing, once per response."""
 
     is_final: bool
     skip_special_tokens: bool
@@ -176,14 +182,23 @@ class ResponseState(NamedTuple):
     num_output_tokens: int
     finish_reason: str
     request_key: int
+    # The stream's chunk number, and the chunk's place among every stream's chunks in the order
+    # they were sent: what postprocessing marks on the flow board (tritone.flow).
+    chunk_seq: int
+    send_seq: int
 
     @classmethod
     def read(cls, state: np.ndarray) -> "ResponseState":
-        v = state.reshape(-1).tolist()
-        return cls(bool(v[0]), bool(v[1]), v[2], v[3], v[4], FINISH_REASONS[v[5]], v[6])
+        v = state.reshape(-1)[:len(cls._fields)].tolist()
+        return cls(bool(v[0]), bool(v[1]), v[2], v[3], v[4], FINISH_REASONS[v[5]], *v[6:])
 
-    def tensor(self) -> np.ndarray:
-        return np.array(self._replace(finish_reason=FINISH_REASONS.index(self.finish_reason)), dtype=np.int64)
+    @classmethod
+    def context_ids(cls, state: np.ndarray) -> list[int]:
+        return state.reshape(-1)[len(cls._fields):].tolist()
+
+    def tensor(self, context_ids: list[int] = ()) -> np.ndarray:
+        return np.array([*self._replace(finish_reason=FINISH_REASONS.index(self.finish_reason)), *context_ids],
+                        dtype=np.int64)
 
 
 @dataclass(slots=True)
@@ -193,7 +208,9 @@ class ResponseStream:
     It runs in the engine's sender thread. Every response carries the ids not sent before and
     the context a stateless postprocessing needs to decode them. With stop words it also decodes
     the ids itself, holds back those whose text could begin a stop word, and on a match sends the
-    final response early (the caller then aborts the engine's request with reason "stop").
+    final response early (the caller then aborts the engine's request with reason "stop"). With a
+    flow board (a stream of the ensemble), a chunk waits while the last one has not reached
+    postprocessing: its tokens go out with the next one (tritone.flow).
     """
 
     request: LLMRequest
@@ -210,6 +227,11 @@ class ResponseStream:
     num_sent: int = 0
     stop: StopMatcher | None = None
     is_finished: bool = False
+    flow: FlowBoard | None = None
+    # Numbers every chunk of every stream in the order sent (one counter for the llm model).
+    sends: Iterator[int] = field(default_factory=itertools.count)
+    # The last chunk sent, until the stream's final one.
+    in_flight: ChunkWatch | None = None
 
     def __post_init__(self):
         if not self.request.exclude_input_in_output:
@@ -236,9 +258,15 @@ class ResponseStream:
                 end = self.stop.num_safe_ids()
         final = output.finished or reason == FinishReason.STOP
         if not final and (not self.request.stream or end == self.num_sent
-                          or (self.num_sent > self.num_prompt_ids and end - self.num_sent < self.stream_interval)):
+                          or (self.num_sent > self.num_prompt_ids and end - self.num_sent < self.stream_interval)
+                          or self.is_held()):
             return None
         return self._response(end, final, reason, num_dropped)
+
+    def is_held(self) -> bool:
+        """Whether the last chunk is still on its way to postprocessing."""
+        watch = self.in_flight
+        return watch is not None and not self.flow.is_received(watch.key, watch.seq)
 
     def _response(self, end: int, final: bool, reason: FinishReason | None,
                   num_dropped: int) -> dict[str, np.ndarray]:
@@ -247,15 +275,15 @@ class ResponseStream:
         new_ids = self.ids[self.num_sent:end]
         first, last = max(0, self.num_sent - self.num_prompt_ids), end - self.num_prompt_ids
         self.num_sent, self.is_finished = end, final
+        seq, sent = (self.in_flight.seq + 1 if self.in_flight else 1), next(self.sends)
+        self.in_flight = None if final or self.flow is None else ChunkWatch(self.key, seq, sent, time.monotonic_ns())
         # num_output_tokens: generated tokens sent so far; after a stop word, up to the one where it starts.
         state = ResponseState(final, skip, num_dropped, len(self.request.prompt_ids), last,
-                              reason.value if final and reason else "", self.key)
-        return {
-            "TOKEN_IDS": np.array(new_ids, dtype=np.int32),
-            "CONTEXT_IDS": np.array(context, dtype=np.int32),
-            "STATE": state.tensor(),
-            "LOG_PROBS": np.array([sum(self.log_probs[:last])] + self.log_probs[first:last], dtype=np.float32),
-        }
+                              reason.value if final and reason else "", self.key, seq, sent)
+        tensors = {"TOKEN_IDS": np.array(new_ids, dtype=np.int32), "STATE": state.tensor(context)}
+        if self.request.params.return_log_probs:
+            tensors["LOG_PROBS"] = np.array([sum(self.log_probs[:last])] + self.log_probs[first:last], dtype=np.float32)
+        return tensors
 
 
 def error_message(output: RequestOutput) -> str | None:
@@ -348,34 +376,42 @@ def _model_context(model_dir: str) -> int:
 class Postprocessor:
     """The `postprocessing` model's work: text deltas for a batch of llm responses."""
 
-    def __init__(self, detokenizer: Detokenizer):
-        self.detokenizer = detokenizer
+    def __init__(self, detokenizer: Detokenizer, flow: FlowBoard | None = None):
+        self.detokenizer, self.flow = detokenizer, flow
 
     @classmethod
-    def from_parameters(cls, params: dict[str, str]) -> "Postprocessor":
+    def from_parameters(cls, params: dict[str, str], flow: FlowBoard | None = None) -> "Postprocessor":
         from tritone.text import load_tokenizer
 
-        return cls(Detokenizer(load_tokenizer(params["model_dir"])))
+        return cls(Detokenizer(load_tokenizer(params["model_dir"])), flow)
 
     def __call__(self, getters: list[Getter]) -> list[dict[str, np.ndarray]]:
-        results = []
-        for get in getters:
-            state = ResponseState.read(get("STATE"))
-            log_probs = get("LOG_PROBS").reshape(-1)
-            results.append({
-                "TEXT_OUTPUT": np.array([self.text(get, state).encode("utf-8")], dtype=np.object_),
-                "OUT_NUM_INPUT_TOKENS": np.array([state.num_input_tokens], dtype=np.int32),
-                "OUT_NUM_OUTPUT_TOKENS": np.array([state.num_output_tokens], dtype=np.int32),
-                "OUT_CUM_LOG_PROBS": log_probs[:1],
-                "OUT_OUTPUT_LOG_PROBS": log_probs[1:],
-                "OUT_FINISH_REASON": np.array([state.finish_reason.encode()], dtype=np.object_),
-            })
-        return results
+        raw = [get("STATE") for get in getters]
+        states = [ResponseState.read(r) for r in raw]
+        if self.flow is not None:  # first of all: the llm model holds these streams until then
+            self.flow.received([(s.request_key, s.chunk_seq, s.send_seq) for s in states])
+        try:
+            return [self._one(get, state, ResponseState.context_ids(r)) for get, state, r in zip(getters, states, raw)]
+        finally:
+            if self.flow is not None:
+                self.flow.done()
 
-    def text(self, get: Getter, state: ResponseState | None = None) -> str:
-        state = state or ResponseState.read(get("STATE"))
-        text = self.detokenizer.delta(get("CONTEXT_IDS").reshape(-1).tolist(), get("TOKEN_IDS").reshape(-1).tolist(),
-                                      is_final=state.is_final, skip_special_tokens=state.skip_special_tokens)
+    def _one(self, get: Getter, state: ResponseState, context_ids: list[int]) -> dict[str, np.ndarray]:
+        result = {
+            "TEXT_OUTPUT": np.array([self.text(get("TOKEN_IDS").tolist(), context_ids, state).encode()], np.object_),
+            "OUT_NUM_INPUT_TOKENS": np.array([state.num_input_tokens], dtype=np.int32),
+            "OUT_NUM_OUTPUT_TOKENS": np.array([state.num_output_tokens], dtype=np.int32),
+            "OUT_FINISH_REASON": np.array([state.finish_reason.encode()], dtype=np.object_),
+        }
+        log_probs = get("LOG_PROBS")
+        if log_probs is not None:  # only for requests that asked for them
+            result["OUT_CUM_LOG_PROBS"] = log_probs[:1]
+            result["OUT_OUTPUT_LOG_PROBS"] = log_probs[1:]
+        return result
+
+    def text(self, new_ids: list[int], context_ids: list[int], state: ResponseState) -> str:
+        text = self.detokenizer.delta(context_ids, new_ids, is_final=state.is_final,
+                                      skip_special_tokens=state.skip_special_tokens)
         # A stop word begins inside this chunk's text: it ends right before it.
         return text[:max(0, len(text) - state.num_dropped_chars)]
 

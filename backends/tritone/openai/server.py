@@ -177,7 +177,8 @@ def _chunk(result) -> Chunk:
         text=text.decode("utf-8") if isinstance(text, bytes) else str(text),
         num_input_tokens=int(scalar("num_input_tokens")),
         num_output_tokens=int(scalar("num_output_tokens")),
-        log_probs=result.as_numpy("output_log_probs").reshape(-1).tolist(),
+        # Only requests that asked for log probabilities get them.
+        log_probs=[] if (log_probs := result.as_numpy("output_log_probs")) is None else log_probs.reshape(-1).tolist(),
         finish_reason=finish_reason(reason.decode() if isinstance(reason, bytes) else str(reason)),
     )
 

@@ -27,6 +27,7 @@ import triton_python_backend_utils as pb_utils
 
 from tritone.config import EngineConfig
 from tritone.engine import AsyncEngine, LLMEngine
+from tritone.flow import FlowBoard
 from tritone.metrics import EngineMetrics
 from tritone.request import FinishReason
 from tritone.serving import (
@@ -36,11 +37,13 @@ from tritone.text import Detokenizer, load_tokenizer
 
 _FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 # How often client cancellations may be looked for: once a step, but no more than every 0.1 s,
-# since each look is an is_cancelled() round trip to the server per stream (at 20 ms, the tiny
-# model's steps at concurrency 256 asked thousands of times a second). And how often metrics are
-# reported (often enough that the KV gauges trail the engine by a quarter second: the
-# cancellation tests read them).
+# since each look at a direct caller's stream is an is_cancelled() round trip to the server (at
+# 20 ms, the tiny model's steps at concurrency 256 asked thousands of times a second); the flow
+# board, which tells of the ensemble's cancelled streams, is a read of shared memory, looked at
+# every 0.05 s. And how often metrics are reported (often enough that the KV gauges trail the
+# engine by a quarter second: the cancellation tests read them).
 _CANCEL_POLL_SECONDS = 0.1
+_FLOW_POLL_SECONDS = 0.05
 _METRICS_SECONDS = 0.25
 
 
@@ -56,6 +59,9 @@ class TritonPythonModel:
         # a freed one whether it was cancelled crashes the server: the two never overlap.
         self.final_lock = threading.Lock()
         self.ids = itertools.count()
+        # Shared with postprocessing's instances; numbers every chunk sent (tritone.flow).
+        self.flow, self.sends = FlowBoard(), itertools.count()
+        self.flow.reset()
         # Decodes for stop words, and finds where each chunk's decoding context starts.
         self.detokenizer = Detokenizer(load_tokenizer(params["model_dir"]))
         self.engine = AsyncEngine.launch(lambda: LLMEngine(config), self._send, on_fatal=end_process)
@@ -79,7 +85,8 @@ class TritonPythonModel:
             try:
                 parsed = parse_llm_request(get)
                 # The Triton request id: an ensemble's steps carry the ensemble request's.
-                stream = ResponseStream(parsed, self.detokenizer, self.stream_interval, key=int(request_id))
+                stream = ResponseStream(parsed, self.detokenizer, self.stream_interval, key=int(request_id),
+                                        flow=self.flow if parsed.flow_control else None, sends=self.sends)
                 self.streams[request_id] = (stream, sender, request.request_id())
                 self.engine.submit(request_id, parsed.prompt_ids, parsed.params)
             except (ValueError, RuntimeError) as exc:
@@ -119,19 +126,25 @@ class TritonPythonModel:
             self.engine.abort(request_id)
 
     def _watch_cancellations(self):
-        # Each is_cancelled() is a round trip to the server process: ask once per engine step.
-        last_step = -1
-        while not self.stopping.wait(_CANCEL_POLL_SECONDS):
-            if self.engine.num_steps == last_step:
+        # The engine answers an abort with a final "cancelled" output, which closes the stream;
+        # until then the response factory stays alive and unload waits.
+        last_step, last_poll = -1, 0.0
+        while not self.stopping.wait(_FLOW_POLL_SECONDS):
+            evidence = self.flow.evidence(time.monotonic_ns())
+            for request_id, (stream, _, _) in list(self.streams.items()):
+                watch = stream.in_flight
+                if watch is not None and watch.is_lost(self.flow, evidence):
+                    self.engine.abort(request_id)
+            # Each is_cancelled() is a round trip to the server process: ask once per engine step.
+            if self.engine.num_steps == last_step or time.monotonic() - last_poll < _CANCEL_POLL_SECONDS:
                 continue
-            last_step = self.engine.num_steps
+            last_step, last_poll = self.engine.num_steps, time.monotonic()
             for request_id in list(self.streams):
                 with self.final_lock:
                     entry = self.streams.get(request_id)
-                    cancelled = entry is not None and entry[1].is_cancelled()
+                    # Triton never marks an ensemble's running llm step cancelled (server #6739).
+                    cancelled = entry is not None and entry[0].flow is None and entry[1].is_cancelled()
                 if cancelled:
-                    # The engine answers with a final "cancelled" output, which closes the
-                    # stream; until then the response factory stays alive and unload waits.
                     self.engine.abort(request_id)
 
     def _report_metrics(self):
@@ -140,5 +153,6 @@ class TritonPythonModel:
 
     def finalize(self):
         self.stopping.set()
+        self.flow.path.unlink(missing_ok=True)
         # Triton has already waited for in-flight requests; whatever is left is cancelled.
         self.engine.stop(timeout=5.0)

@@ -7,10 +7,10 @@ try:  # the launcher puts this beside the Python backend: it adds the environmen
 except ImportError:  # NVIDIA's container, where the package is installed system-wide
     pass
 
-import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritone.serving import Postprocessor, ResponseState, exit_when_orphaned, model_parameters, triton_getter
+from tritone.flow import FlowBoard
+from tritone.serving import Postprocessor, exit_when_orphaned, model_parameters
 
 
 class TritonPythonModel:
@@ -18,27 +18,15 @@ class TritonPythonModel:
         # Every model process watches for its server's death, not only the engine's: one
         # outlived a killed server in a full test run (serving.exit_when_orphaned).
         exit_when_orphaned()
-        self.postprocess = Postprocessor.from_parameters(model_parameters(json.loads(args["model_config"])))
+        # What this instance receives and when it idles, for the llm model (tritone.flow): its
+        # flow control, and how it learns of cancelled requests, whose chunks the batcher drops.
+        flow = FlowBoard()
+        flow.claim_cell()
+        self.postprocess = Postprocessor.from_parameters(model_parameters(json.loads(args["model_config"])), flow)
 
     def execute(self, requests):
-        # Triton 2.51 marks every step of an ensemble request scheduled after its client
-        # cancelled it, but never the llm step already running: tell the engine here.
-        cancelled = [r.is_cancelled() for r in requests]
-        for request, is_cancelled in zip(requests, cancelled):
-            if is_cancelled:
-                self._abort_in_engine(request)
-        live = [r for r, is_cancelled in zip(requests, cancelled) if not is_cancelled]
-        results = iter(self.postprocess([triton_getter(pb_utils, r) for r in live]))
-        return [
-            pb_utils.InferenceResponse(error=pb_utils.TritonError("request cancelled")) if is_cancelled
-            else pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, a[None]) for n, a in next(results).items()])
-            for is_cancelled in cancelled
-        ]
-
-    def _abort_in_engine(self, request):
-        key = ResponseState.read(pb_utils.get_input_tensor_by_name(request, "STATE").as_numpy()).request_key
-        abort = pb_utils.InferenceRequest(model_name="llm", requested_output_names=[],
-                                          inputs=[pb_utils.Tensor("ABORT_KEY", np.array([[key]], dtype=np.uint64))])
-        for response in abort.exec(decoupled=True):  # one empty final response
-            if response.has_error():
-                pb_utils.Logger.log_error(f"abort of engine request {key} failed: {response.error().message()}")
+        # Each input once, without the batch dimension (pb_utils.get_input_tensor_by_name looks
+        # through the inputs in Python for every name).
+        inputs = [{t.name(): t.as_numpy()[0] for t in r.inputs()} for r in requests]
+        return [pb_utils.InferenceResponse(output_tensors=[pb_utils.Tensor(n, a[None]) for n, a in result.items()])
+                for result in self.postprocess([i.get for i in inputs])]

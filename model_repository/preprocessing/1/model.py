@@ -7,6 +7,7 @@ try:  # the launcher puts this beside the Python backend: it adds the environmen
 except ImportError:  # NVIDIA's container, where the package is installed system-wide
     pass
 
+import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from tritone.serving import SHUTTING_DOWN, Drain, Preprocessor, exit_when_orphaned, model_parameters, triton_getter
@@ -32,6 +33,7 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result))))
             else:
                 tensors = [pb_utils.Tensor(name, array[None]) for name, array in result.items()]
+                tensors.append(pb_utils.Tensor("FLOW_CONTROL", np.ones((1, 1), dtype=np.bool_)))
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
 
