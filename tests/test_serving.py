@@ -142,6 +142,16 @@ def test_log_probs_only_when_asked(detokenizer):
     assert "OUT_CUM_LOG_PROBS" not in result and result["OUT_FINISH_REASON"][0] == b"length"
 
 
+def test_the_prompt_count_comes_first_and_last_and_the_finish_reason_last(detokenizer):
+    stream = ResponseStream(parse_llm_request(getter(input_ids=[1, 2], max_tokens=[3], stream=[True])), detokenizer)
+    chunks = [stream.on_output(output([10 + i], finished=i == 2, reason=FinishReason.LENGTH, n_out=i + 1))
+              for i in range(3)]
+    results = Postprocessor(detokenizer)([c.get for c in chunks])
+    assert [r.get("OUT_NUM_INPUT_TOKENS", [None])[0] for r in results] == [2, None, 2]
+    assert [r.get("OUT_FINISH_REASON", [None])[0] for r in results] == [None, None, b"length"]
+    assert [r["OUT_NUM_OUTPUT_TOKENS"][0] for r in results] == [1, 2, 3]
+
+
 @pytest.mark.parametrize("exclude_input", [True, False])
 def test_stream_interval_sends_the_first_token_then_every_nth_and_the_same_text(detokenizer, tokenizer,
                                                                                  exclude_input):

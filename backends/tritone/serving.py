@@ -397,12 +397,17 @@ class Postprocessor:
                 self.flow.done()
 
     def _one(self, get: Getter, state: ResponseState, context_ids: list[int]) -> dict[str, np.ndarray]:
+        # Every output tensor is work for this process and tritonserver on every response: the
+        # prompt's count comes with the first and the final one, the finish reason with the final.
+        new_ids = get("TOKEN_IDS").tolist()
         result = {
-            "TEXT_OUTPUT": np.array([self.text(get("TOKEN_IDS").tolist(), context_ids, state).encode()], np.object_),
-            "OUT_NUM_INPUT_TOKENS": np.array([state.num_input_tokens], dtype=np.int32),
+            "TEXT_OUTPUT": np.array([self.text(new_ids, context_ids, state).encode()], np.object_),
             "OUT_NUM_OUTPUT_TOKENS": np.array([state.num_output_tokens], dtype=np.int32),
-            "OUT_FINISH_REASON": np.array([state.finish_reason.encode()], dtype=np.object_),
         }
+        if state.is_final or state.num_output_tokens <= len(new_ids):  # all so far: the first
+            result["OUT_NUM_INPUT_TOKENS"] = np.array([state.num_input_tokens], dtype=np.int32)
+        if state.is_final:
+            result["OUT_FINISH_REASON"] = np.array([state.finish_reason.encode()], dtype=np.object_)
         log_probs = get("LOG_PROBS")
         if log_probs is not None:  # only for requests that asked for them
             result["OUT_CUM_LOG_PROBS"] = log_probs[:1]

@@ -199,7 +199,7 @@ async def _one(client, grpcaio, model: str, text: str, prompt_tokens: int, max_t
                 record.error, record.end = str(error), now
                 return
             record.chunks.append((now, int(result.as_numpy("num_output_tokens").reshape(-1)[0])))
-            if result.as_numpy("finish_reason").reshape(-1)[0]:
+            if result.as_numpy("finish_reason") is not None:  # the final response's
                 # Read on until the server ends the stream: leaving it at the last response
                 # cancels the call, and may do so before the ensemble has closed the request.
                 record.end = now

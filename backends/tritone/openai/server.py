@@ -44,7 +44,7 @@ class Chunk:
     """One ensemble response: the text delta (or whole text) and the counts so far."""
 
     text: str
-    num_input_tokens: int
+    num_input_tokens: int | None  # from the first and the final response
     num_output_tokens: int
     log_probs: list[float]
     finish_reason: str | None
@@ -138,6 +138,8 @@ class Generation:
         self.backend, self.request_id, self.stream = backend, request_id, stream
         # The final response came, or an error: nothing left to cancel in the engine.
         self.is_answered = False
+        # The prompt's count comes with the first and the final response; each chunk carries it.
+        self.num_input_tokens = 0
 
     def __aiter__(self):
         return self
@@ -153,6 +155,9 @@ class Generation:
             status = error_status(message)
             raise RequestError(message, status=status, type="server_error" if status >= 500 else "invalid_request_error")
         chunk = _chunk(result)
+        if chunk.num_input_tokens is None:
+            chunk.num_input_tokens = self.num_input_tokens
+        self.num_input_tokens = chunk.num_input_tokens
         self.is_answered = self.is_answered or chunk.finish_reason is not None
         return chunk
 
@@ -168,14 +173,16 @@ class Generation:
 
 
 def _chunk(result) -> Chunk:
-    def scalar(name):
-        return result.as_numpy(name).reshape(-1)[0]
+    def scalar(name, default=None):
+        array = result.as_numpy(name)  # the prompt's count and the finish reason: final chunk only
+        return default if array is None else array.reshape(-1)[0]
 
     text = scalar("text_output")
-    reason = scalar("finish_reason")
+    reason = scalar("finish_reason", b"")
+    num_input_tokens = scalar("num_input_tokens")
     return Chunk(
         text=text.decode("utf-8") if isinstance(text, bytes) else str(text),
-        num_input_tokens=int(scalar("num_input_tokens")),
+        num_input_tokens=None if num_input_tokens is None else int(num_input_tokens),
         num_output_tokens=int(scalar("num_output_tokens")),
         # Only requests that asked for log probabilities get them.
         log_probs=[] if (log_probs := result.as_numpy("output_log_probs")) is None else log_probs.reshape(-1).tolist(),
