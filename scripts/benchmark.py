@@ -347,9 +347,9 @@ def print_cpu_per_token(results):
             for c, r in results[key].items() if "cpu_ms_per_token" in r]
     if not rows:
         return
-    roles = sorted({role for *_, report in rows for role in report} - {"other"},
-                   key=lambda role: (role == "text path", role))
-    print("\nCPU milliseconds per output token, by process (text path: tritonserver + preprocessing + postprocessing)")
+    roles = sorted({role for *_, report in rows for role in report}, key=lambda role: (role == "text path", role))
+    print("\nCPU milliseconds per output token, by process (text path: tritonserver + preprocessing + postprocessing; "
+          "other: any process not named, such as a model worker that a peer starts)")
     print("| stack | concurrency | " + " | ".join(roles) + " |")
     print("|---|---|" + "---|" * len(roles))
     for name, c, report in rows:

@@ -14,6 +14,7 @@ def test_roles_of_both_stacks():
     assert role("tritonserver", b"/opt/tritonserver/bin/tritonserver\x00--model-repository=/r") == "tritonserver"
     assert role("python", b"python\x00-m\x00tritone.openai\x00--port\x009000") == "openai front end"
     assert role("VLLM::EngineCor", b"VLLM::EngineCore") == "vllm engine core"
+    assert role("VLLM::Worker_TP0", b"python3\x00-c\x00from multiprocessing") == "vllm worker_tp"
     assert role("vllm", b"/venv/bin/python\x00/venv/bin/vllm\x00serve") == "vllm api server"
     assert role("sh", b"/bin/sh\x00-c") == "other"
 

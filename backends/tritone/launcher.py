@@ -112,7 +112,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--grpc-port", type=int, default=8001)
     p.add_argument("--metrics-port", type=int, default=8002)
     p.add_argument("--preprocessing-instances", type=int, default=2)
-    p.add_argument("--postprocessing-instances", type=int, default=2)
+    # One: under the dynamic batcher one instance takes every waiting chunk in one execute, and a
+    # second only splits the batches (default model, 2 cores: text path 0.46-0.52 -> 0.41-0.46 ms
+    # of CPU per token at concurrency 32 and 128). More where the text path falls behind.
+    p.add_argument("--postprocessing-instances", type=int, default=1)
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--kv-cache-bytes", type=int, default=0, help="KV cache budget in bytes (0: a fraction of free memory)")

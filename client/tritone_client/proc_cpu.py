@@ -35,6 +35,8 @@ def role(comm: str, cmdline: bytes) -> str:
         return "openai front end"
     if comm.startswith("VLLM::EngineCor") or b"EngineCore" in cmdline:
         return "vllm engine core"
+    if comm.startswith("VLLM::"):  # vLLM names its processes: the model's workers
+        return "vllm " + comm.removeprefix("VLLM::").rstrip("0123456789_").lower()
     if b"vllm" in cmdline:
         return "vllm api server"
     return "other"
@@ -86,4 +88,4 @@ def per_token_ms(before: dict[str, float], after: dict[str, float], num_tokens: 
 
 
 def format_per_token(report: dict[str, float]) -> str:
-    return ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(report.items()) if name != "other")
+    return ", ".join(f"{name} {ms:.3f}" for name, ms in sorted(report.items()))
