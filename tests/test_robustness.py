@@ -49,9 +49,9 @@ class Stream:
                 return
             request_id = result.get_response().id
             self.texts.setdefault(request_id, []).append(result.as_numpy("text_output").reshape(-1)[0].decode())
-            reason = result.as_numpy("finish_reason").reshape(-1)[0].decode()
-            if reason:
-                self.finish[request_id] = reason
+            reason = result.as_numpy("finish_reason")  # the final response's
+            if reason is not None:
+                self.finish[request_id] = reason.reshape(-1)[0].decode()
 
     def send(self, inputs, request_id=""):
         self.client.async_stream_infer("ensemble", inputs, request_id=request_id)
