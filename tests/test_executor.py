@@ -6,6 +6,7 @@ measured dtype; the default model in bf16 against Hugging Face bf16."""
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import subprocess
 import sys
@@ -364,3 +365,40 @@ def test_native_bf16_forward_is_close_to_hugging_face_bf16(tiny):
     engine, got = engine_greedy(path, ids, dtype="bfloat16", forward="native")
     assert engine.runner.kv_caches[0][0].dtype == torch.bfloat16
     assert_greedy_close(hf, ids, got)
+
+
+_NO_COMPILER = """
+import json, sys, torch
+from tritone.config import EngineConfig
+from tritone.engine import LLMEngine
+from tritone.executor import kernels
+from tritone.request import SamplingParams
+path, prompt = sys.argv[1], json.loads(sys.argv[2])
+report = {"library": kernels.native_library() is not None}
+for attention in ("cpu-native", "auto"):
+    try:
+        engine = LLMEngine(EngineConfig(model=path, dtype="float32", kv_cache_bytes=8 << 20, block_size=4,
+                                        max_num_batched_tokens=32, attention=attention))
+    except ValueError as exc:
+        report[attention] = str(exc)
+        continue
+    engine.add_request("0", prompt, SamplingParams(max_tokens=%d, end_id=-1))
+    tokens = []
+    while engine.has_unfinished_requests():
+        tokens += [t for out in engine.step() for t in out.new_token_ids]
+    report[attention] = tokens
+print(json.dumps(report))
+""" % MAX_TOKENS
+
+
+def test_without_a_c_compiler_the_engine_runs_on_torch_and_a_native_flag_says_why(tmp_path):
+    _, path, model = build_tiny("qwen2", tmp_path / "qwen2")
+    prompt = prompts(1)[0]
+    env = {**os.environ, "CC": str(tmp_path / "no-such-cc"), "TRITONE_CACHE": str(tmp_path / "cache")}
+    out = subprocess.run([sys.executable, "-c", _NO_COMPILER, str(path), str(prompt)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["library"] is False
+    assert "--attention cpu-native" in report["cpu-native"] and "no C compiler" in report["cpu-native"]
+    assert report["auto"] == hf_greedy(model, prompt)

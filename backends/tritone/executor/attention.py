@@ -167,6 +167,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     """The attention named, or for `auto` the fastest that works here: the native kernel on CPU;
     on CUDA the first paged kernel that runs and agrees with SDPA on a probe batch of this
     model's shape (logged, with why each one before it was passed over); SDPA where none does."""
+    if name == "cpu-native":
+        kernels.require("--attention cpu-native")
     if name != "auto":
         return BACKENDS[name]()
     if device.type == "cpu":

@@ -31,6 +31,7 @@ _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno
           "-fno-trapping-math", "-fopenmp", "-pthread", "-shared", "-fPIC"]
 _lib: ctypes.CDLL | None = None
 _loaded = False
+_missing = ""  # why the kernels did not build
 
 
 def _cpu_flags() -> str:
@@ -95,15 +96,32 @@ def _build() -> ctypes.CDLL:
 
 def native_library() -> ctypes.CDLL | None:
     """The compiled kernels, or None where they cannot be built (logged once)."""
-    global _lib, _loaded
+    global _lib, _loaded, _missing
     if not _loaded:
         _loaded = True
         try:
             _lib = _build()
+        except FileNotFoundError:
+            _missing = f"no C compiler: {os.environ.get('CC', 'cc')} was not found (install gcc, or set CC)"
         except (OSError, subprocess.SubprocessError) as exc:
-            detail = getattr(exc, "stderr", "") or exc
-            logger.warning("native CPU kernels unavailable, using torch's attention and GEMMs: %s", detail)
+            _missing = f"the C compiler failed: {str(getattr(exc, 'stderr', '') or exc).strip()[-2000:]}"
+        if _lib is None:
+            logger.warning("native CPU kernels unavailable, using torch's attention and GEMMs: %s", _missing)
     return _lib
+
+
+def require(what: str) -> ctypes.CDLL:
+    """The compiled kernels for `what` (a flag and its value, as the user gave them), or a
+    ValueError that names it and says why they are missing."""
+    lib = native_library()
+    if lib is None:
+        raise ValueError(f"{what} needs Tritone's native CPU kernels, which could not be built: {_missing}")
+    return lib
+
+
+def missing_reason() -> str:
+    """Why the kernels did not build ('' when they did, or before anything asked for them)."""
+    return _missing
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,

@@ -62,7 +62,7 @@ def unsupported_reason(model, dtype: torch.dtype, device: torch.device) -> str |
     if spec.head_dim % 8 or spec.head_dim > 256:
         return f"head size {spec.head_dim} is not a multiple of 8 up to 256"
     if kernels.native_library() is None:
-        return "the native kernels did not build"
+        return f"the native kernels did not build ({kernels.missing_reason()})"
     return None
 
 
