@@ -1,0 +1,156 @@
+"""The engine's side of a decoupled Triton model (`llm`, `llm_inline`), without importing Triton.
+
+Both models register each request's response sender here, hand the engine's outputs back
+through it, send each request exactly one final response, and stop the requests whose clients
+went away. Triton's utilities module comes in as `pb_utils`, so the whole protocol is tested
+with a fake one (tests/test_frontend.py); the adapters only parse tensors.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+import time
+from typing import Callable
+
+import numpy as np
+
+from tritone.config import EngineConfig
+from tritone.engine import AsyncEngine, LLMEngine
+from tritone.flow import FlowBoard
+from tritone.request import FinishReason, RequestOutput
+from tritone.serving import LLMRequest, ResponseStream, end_process, error_message
+from tritone.text import Detokenizer
+
+# How often client cancellations may be looked for: once a step, but no more than every 0.1 s,
+# since each look at a direct caller's stream is an is_cancelled() round trip to the server (at
+# 20 ms, the tiny model's steps at concurrency 256 asked thousands of times a second); the flow
+# board, which tells of the ensemble's cancelled streams, is a read of shared memory, looked at
+# every 0.05 s. Metrics every 0.25 s, so that the KV gauges trail the engine by a quarter second
+# at most: the cancellation tests read them.
+CANCEL_POLL_SECONDS = 0.1
+FLOW_POLL_SECONDS = 0.05
+METRICS_SECONDS = 0.25
+
+Tensors = dict[str, np.ndarray]
+
+
+class EngineFrontend:
+    """The streams of one engine and the protocol of their responses.
+
+    Triton frees a request's response factory once its final response is sent, and asking a
+    freed one whether it was cancelled crashes the server: `final_lock` keeps the two apart.
+    """
+
+    def __init__(self, pb_utils, detokenizer: Detokenizer, stream_interval: int = 1,
+                 flow: FlowBoard | None = None, outputs: Callable[[Tensors], Tensors] = lambda tensors: tensors):
+        self.pb, self.detokenizer, self.stream_interval = pb_utils, detokenizer, stream_interval
+        # `outputs` turns a ResponseStream's tensors into the model's outputs (llm_inline detokenizes).
+        self.flow, self.outputs = flow, outputs
+        self.streams: dict[str, tuple[ResponseStream, object, str | None]] = {}
+        self.final_lock = threading.Lock()
+        self.ids, self.sends = itertools.count(), itertools.count()
+        self.stopping = threading.Event()
+        self.engine: AsyncEngine | None = None
+
+    def launch(self, config: EngineConfig, make_metrics: Callable[[LLMEngine], object] | None = None) -> None:
+        """Starts the engine (its thread builds the model, and this waits for it) and the
+        watchers; `make_metrics(engine)` gives what reports the engine's metrics."""
+        self.engine = AsyncEngine.launch(lambda: LLMEngine(config), self.send, on_fatal=end_process)
+        threading.Thread(target=self.watch_cancellations, name="tritone-cancellations", daemon=True).start()
+        if make_metrics is not None:
+            metrics = make_metrics(self.engine.engine)
+            threading.Thread(target=self._report_metrics, args=(metrics,), name="tritone-metrics", daemon=True).start()
+
+    @property
+    def is_idle(self) -> bool:
+        return not self.streams
+
+    def submit(self, sender, request: LLMRequest | Exception, triton_id: str | None = None) -> None:
+        """Starts a parsed request, or answers a request that failed to parse (or that the engine
+        refuses) with one final error response naming the field."""
+        request_id = str(next(self.ids))
+        try:
+            if isinstance(request, Exception):
+                raise request
+            stream = ResponseStream(request, self.detokenizer, self.stream_interval, key=int(request_id),
+                                    flow=self.flow if request.flow_control else None, sends=self.sends)
+            self.streams[request_id] = (stream, sender, triton_id)
+            self.engine.submit(request_id, request.prompt_ids, request.params)
+        except (ValueError, RuntimeError) as exc:
+            with self.final_lock:
+                self.streams.pop(request_id, None)
+                self._send_final(sender, self._error(str(exc)))
+
+    def send(self, output: RequestOutput) -> None:
+        """The engine's sender thread: the response for one engine output, if any."""
+        entry = self.streams.get(output.request_id)
+        if entry is None:  # the engine's outputs after a stop word already ended the stream
+            return
+        stream, sender, _ = entry
+        message = error_message(output)
+        if message is not None:
+            response = self._error(message)
+        else:
+            tensors = stream.on_output(output)
+            if tensors is None:
+                return
+            response = self.pb.InferenceResponse([self.pb.Tensor(n, a[None]) for n, a in self.outputs(tensors).items()])
+            if stream.is_finished and not output.finished:
+                self.engine.abort(output.request_id, FinishReason.STOP)
+        if not (output.finished or stream.is_finished):
+            sender.send(response)
+            return
+        with self.final_lock:
+            if message is not None:  # the last try: the engine's sender sends nothing after it
+                del self.streams[output.request_id]
+            self._send_final(sender, response)  # if it raises, the engine's sender sends an error
+            self.streams.pop(output.request_id, None)
+
+    def abort(self, key: int | None, triton_id: str | None) -> None:
+        """Stops the engine's request of this key, or those of this Triton request id. Unknown or
+        finished requests are ignored: aborts may race with the end of a request."""
+        ids = [str(key)] if key is not None else [i for i, e in list(self.streams.items()) if e[2] == triton_id]
+        for request_id in ids:
+            self.engine.abort(request_id)
+
+    def watch_cancellations(self) -> None:
+        # The engine answers an abort with a final "cancelled" output, which closes the stream;
+        # until then the response factory stays alive and unload waits.
+        last_step, last_poll = -1, 0.0
+        while not self.stopping.wait(FLOW_POLL_SECONDS):
+            if self.flow is not None:
+                self._abort_lost_chunks()
+            # Each is_cancelled() is a round trip to the server process: ask once per engine step.
+            if self.engine.num_steps == last_step or time.monotonic() - last_poll < CANCEL_POLL_SECONDS:
+                continue
+            last_step, last_poll = self.engine.num_steps, time.monotonic()
+            for request_id in list(self.streams):
+                with self.final_lock:
+                    entry = self.streams.get(request_id)
+                    # Triton never marks an ensemble's running llm step cancelled (server #6739).
+                    cancelled = entry is not None and entry[0].flow is None and entry[1].is_cancelled()
+                if cancelled:
+                    self.engine.abort(request_id)
+
+    def _abort_lost_chunks(self) -> None:
+        evidence = self.flow.evidence(time.monotonic_ns())
+        for request_id, (stream, _, _) in list(self.streams.items()):
+            watch = stream.in_flight
+            if watch is not None and watch.is_lost(self.flow, evidence):
+                self.engine.abort(request_id)
+
+    def _report_metrics(self, metrics) -> None:
+        while not self.stopping.wait(METRICS_SECONDS):
+            metrics.report(time.monotonic())
+
+    def stop(self) -> None:
+        self.stopping.set()
+        # Triton has already waited for in-flight requests; whatever is left is cancelled.
+        self.engine.stop(timeout=5.0)
+
+    def _error(self, message: str):
+        return self.pb.InferenceResponse(error=self.pb.TritonError(message))
+
+    def _send_final(self, sender, response=None) -> None:
+        sender.send(response, flags=self.pb.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
