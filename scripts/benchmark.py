@@ -256,11 +256,15 @@ def run_tritone(args, model_dir, prompts, results):
                                      - before["tritone_forward_seconds_total"]) / seconds
             level["step_ms"] = step_breakdown(before, after)
             results["tritone"][c] = level
-            print(f"Tritone, concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, "
-                  f"{level['tokens_per_response']:.2f} tokens per response; {format_breakdown(level['step_ms'])}; "
-                  f"CPU ms per token: {format_per_token(level['cpu_ms_per_token'])}", flush=True)
+            print(level_line("Tritone", c, level, format_breakdown(level["step_ms"])), flush=True)
     finally:
         server.stop()
+
+
+def level_line(stack: str, concurrency: int, level: dict, steps: str = "") -> str:
+    return (f"{stack}, concurrency {concurrency}: {level['output_tokens_per_s']:.1f} tok/s, "
+            f"{level['tokens_per_response']:.2f} tokens per response; " + (f"{steps}; " if steps else "")
+            + f"CPU ms per token: {format_per_token(level['cpu_ms_per_token'])}")
 
 
 def run_peer(args, python, model_dir, prompts, results):
@@ -291,9 +295,7 @@ def run_peer(args, python, model_dir, prompts, results):
                                                args.prompt_len, args.temperature, args.top_p))
             level["cpu_ms_per_token"] = per_token_ms(cpu, tree.cpu_seconds(), level["num_output_tokens"])
             results["peer"][c] = level
-            print(f"vLLM, concurrency {c}: {level['output_tokens_per_s']:.1f} tok/s, "
-                  f"{level['tokens_per_response']:.2f} tokens per response; "
-                  f"CPU ms per token: {format_per_token(level['cpu_ms_per_token'])}", flush=True)
+            print(level_line("vLLM", c, level), flush=True)
     finally:
         server.stop()
 
