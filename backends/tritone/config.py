@@ -25,14 +25,15 @@ class EngineConfig:
     seed: int = 0
     # Waiting requests beyond this are refused with a "server busy" error (0: no limit).
     max_queue_len: int = 0
-    # CPU threads for the model (0: every core). Measured on 2 cores with oneDNN GEMMs: the served
-    # default model made 1.5x to 1.7x the output tok/s at concurrency 32 and 128 on two threads
-    # than on one leaving a core to the text stages (README, Performance).
+    # CPU threads for the model (0: every core). On 2 cores the served default model made 1.5x to
+    # 1.7x the output tok/s at concurrency 32 and 128 on two threads than on one that left a core
+    # to the text stages.
     num_threads: int = 0
     # torch.compile the forward pass: auto (on CPU where a C++ compiler is present), on, off.
     compile: str = "auto"
-    # The forward pass: native (Tritone's Llama family in one native call per step, fp32 on CPU),
-    # torch (the model's modules, compiled per `compile`), or auto (native where it can run).
+    # The forward pass: native (Tritone's Llama family in one native call per step, on CPU in fp32,
+    # or bf16 with AVX512-BF16), torch (the model's modules, compiled per `compile`), or auto
+    # (native where it can run and measured fastest).
     forward: str = "auto"
     # Paged attention: auto (the native kernel on CPU; on CUDA the first of flash-varlen, triton
     # that passes a probe batch at start), or one of cpu-native, flash-varlen, triton, sdpa.
