@@ -1,12 +1,13 @@
 """The flow board between the llm model and postprocessing: marks, holding and lost chunks."""
 
+import os
 import subprocess
 import sys
 
 import numpy as np
 import pytest
 
-from tritone.flow import EVIDENCE_AGE_S, LOST_AFTER_S, NUM_SLOTS, ChunkWatch, FlowBoard
+from tritone.flow import EVIDENCE_AGE_S, LOST_AFTER_S, NUM_SLOTS, ChunkWatch, FlowBoard, remove_stale
 from tritone.request import FinishReason, RequestOutput
 from tritone.serving import Postprocessor, ResponseState, ResponseStream, parse_llm_request
 from tritone.text import Detokenizer
@@ -42,6 +43,14 @@ def test_reset_forgets_a_previous_servers_marks_and_gone_instances(boards, tmp_p
     llm.reset()
     assert not llm.is_received(3, 1)
     assert llm.cells[5, 0] == 0 and post.cells[post.cell, 0] != 0
+
+
+def test_pages_of_gone_servers_are_removed(tmp_path):
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    for pid in (int(gone.stdout), os.getpid()):
+        FlowBoard(tmp_path / f"tritone-flow-{pid}").close()
+    assert remove_stale(tmp_path) == 1
+    assert [p.name for p in tmp_path.iterdir()] == [f"tritone-flow-{os.getpid()}"]
 
 
 def test_a_chunk_is_lost_once_a_later_one_arrived_and_the_evidence_aged(boards):

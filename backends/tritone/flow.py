@@ -45,10 +45,26 @@ LOST_AFTER_S = 0.25
 EVIDENCE_AGE_S = 0.1
 
 
+def _directory() -> pathlib.Path:
+    shm = pathlib.Path("/dev/shm")
+    return shm if shm.is_dir() else pathlib.Path(tempfile.gettempdir())
+
+
 def default_path() -> pathlib.Path:
     """The page of the tritonserver this process belongs to (its parent)."""
-    shm = pathlib.Path("/dev/shm")
-    return (shm if shm.is_dir() else pathlib.Path(tempfile.gettempdir())) / f"tritone-flow-{os.getppid()}"
+    return _directory() / f"tritone-flow-{os.getppid()}"
+
+
+def remove_stale(directory: pathlib.Path | None = None) -> int:
+    """Removes the pages of servers that are gone (a killed server's llm model never unlinks
+    its own); returns how many. The launcher calls it at every start and stop."""
+    removed = 0
+    for path in (directory or _directory()).glob("tritone-flow-*"):
+        pid = path.name.removeprefix("tritone-flow-")
+        if pid.isdigit() and not _alive(int(pid)):
+            path.unlink(missing_ok=True)
+            removed += 1
+    return removed
 
 
 class FlowBoard:

@@ -23,6 +23,7 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
+from tritone import flow
 from tritone.models import cache_root, resolve_model
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -225,6 +226,7 @@ class Server:
         models = INLINE_MODELS if getattr(self.args, "inline", False) else ENSEMBLE_MODELS
         for stale in (self.shutdown_file, self.drained_file):
             stale.unlink(missing_ok=True)
+        flow.remove_stale()
         values = {**template_values(self.args, self.model_dir), "shutdown_file": str(self.shutdown_file)}
         repository = render_repository(self.run_dir / "model_repository", values, models)
         # Its own session, so that Ctrl-C reaches it once, through us; and it dies with us.
@@ -406,6 +408,8 @@ class Server:
         except subprocess.TimeoutExpired:
             self.process.kill()
             return self.process.wait()
+        finally:
+            flow.remove_stale()  # the llm model unlinks its own page, unless killed
 
 
 def free_port() -> int:
