@@ -21,6 +21,7 @@ sees half a write; each slot and cell has one writer at a time.
 
 from __future__ import annotations
 
+import contextlib
 import fcntl
 import mmap
 import os
@@ -194,12 +195,10 @@ def _alive(pid: int) -> bool:
     return True
 
 
-class _locked:
-    def __init__(self, fd: int):
-        self.fd = fd
-
-    def __enter__(self):
-        fcntl.flock(self.fd, fcntl.LOCK_EX)
-
-    def __exit__(self, *exc):
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
+@contextlib.contextmanager
+def _locked(fd: int):
+    fcntl.flock(fd, fcntl.LOCK_EX)
+    try:
+        yield
+    finally:
+        fcntl.flock(fd, fcntl.LOCK_UN)
