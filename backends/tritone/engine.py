@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import queue
 import threading
+from concurrent import futures
 import time
 from dataclasses import dataclass, field
 from typing import Callable
@@ -17,6 +18,7 @@ from transformers import GenerationConfig
 from tritone.block_manager import BlockManager
 from tritone.config import EngineConfig
 from tritone.executor import ModelRunner
+from tritone.grammar import Grammars
 from tritone.request import PENDING_TOKEN, FinishReason, Request, RequestOutput, SamplingParams
 from tritone.sampler import Sampler, needs_logits
 from tritone.scheduler import Scheduler
@@ -76,8 +78,11 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.runner.max_model_len)
-        self.sampler = Sampler()
         self.default_end_ids = model_end_ids(config.model, self.runner.hf_config)
+        self.grammars = Grammars(config.model, self.vocab_size, list(self.default_end_ids))
+        self.sampler = Sampler(self.grammars)
+        # Guided requests whose grammar is still compiling.
+        self._compiling: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.stats = EngineStats()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
@@ -99,6 +104,8 @@ class LLMEngine:
         """Raises ValueError naming the field when the request can never be served, and
         RuntimeError when the queue (waiting requests, plus `num_queued` not yet added) is full."""
         params.validate(self.vocab_size)
+        if params.guide is not None:
+            params.guide.check()
         if not prompt_ids:
             raise ValueError("input_ids is empty: the prompt must have at least one token")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
@@ -130,6 +137,9 @@ class LLMEngine:
             end_ids = self.default_end_ids
         request = Request(request_id, list(prompt_ids), params, arrival_time=time.monotonic(),
                           generator=generator, end_ids=end_ids)
+        if params.guide is not None:
+            request.grammar_future = self.grammars.compile(params.guide)
+            self._compiling.append(request)
         self.requests[request_id] = request
         self.scheduler.add(request)
         return request
@@ -154,19 +164,43 @@ class LLMEngine:
         """Runs one step and returns its outputs. With async scheduling, it launches this step and
         returns the previous one's outputs: the device computes step N while the host schedules
         and prepares N + 1 and then updates N (see `_launch`)."""
+        failed = self._resolve_grammars() if self._compiling else []
         if not self.async_scheduling:
             launched = self._launch()
-            return self._collect(launched) if launched is not None else []
-        outputs = []
+            return failed + self._collect(launched) if launched is not None else failed
+        outputs = failed
         if self._in_flight is not None and any(_reads_history(r) for r in self._in_flight.requests):
             # Penalties and bad words read the tokens that are still on the device: take them first.
-            outputs = self._collect(self._in_flight)
+            outputs = outputs + self._collect(self._in_flight)
             self._in_flight = None
         launched = self._launch()
         if self._in_flight is not None:
-            outputs = self._collect(self._in_flight)
+            outputs = outputs + self._collect(self._in_flight)
         self._in_flight = launched
         return outputs
+
+    def _resolve_grammars(self) -> list[RequestOutput]:
+        """Gives each guided request whose grammar has compiled its matcher (the scheduler admits
+        it from then on), and fails those whose grammar could not compile. Where nothing else can
+        run, waits a little for a compile rather than spinning."""
+        if not self.scheduler.running and not any(r.grammar_future is None for r in self.scheduler.waiting):
+            futures.wait([r.grammar_future for r in self._compiling], timeout=0.005,
+                         return_when=futures.FIRST_COMPLETED)
+        outputs, compiling = [], []
+        for request in self._compiling:
+            future = request.grammar_future
+            if request.is_finished:
+                continue
+            if not future.done():
+                compiling.append(request)
+                continue
+            request.grammar_future = None
+            try:
+                request.matcher = self.grammars.matcher(future.result())
+            except Exception as exc:
+                outputs.append(self.abort_request(request.request_id, FinishReason.ERROR, str(exc)))
+        self._compiling = compiling
+        return [o for o in outputs if o is not None]
 
     def drop_in_flight(self) -> None:
         """Forgets the step in flight (after its requests were all aborted)."""
@@ -254,6 +288,18 @@ class LLMEngine:
             request.num_pending_tokens -= 1
             request.output_ids[index] = token_id
             request.output_log_probs[index] = log_prob
+            # The matcher sees only tokens the engine keeps: nothing accepted is ever dropped,
+            # so it never rolls back.
+            if request.matcher is not None and not request.matcher.accept_token(token_id):
+                self.scheduler.finish(request, FinishReason.ERROR)
+                del request.output_ids[index:]
+                del request.output_log_probs[index:]
+                request.num_pending_tokens = 0
+                del self.requests[request.request_id]
+                output = self._output(request, [], [])
+                output.error = f"engine error: token {token_id} broke the request's grammar"
+                outputs.append(output)
+                continue
             if request.first_token_time is None:
                 request.first_token_time = now
                 self.stats.time_to_first_token.append(now - request.arrival_time)
@@ -285,6 +331,8 @@ class LLMEngine:
         """Why the request ends at its output token number `num_output` (its last one resolved)."""
         if num_output >= request.params.min_tokens and request.output_ids[num_output - 1] in request.end_ids:
             return FinishReason.STOP
+        if request.matcher is not None and request.matcher.is_terminated():
+            return FinishReason.STOP  # the grammar is complete and its stop token taken
         if num_output >= request.params.max_tokens:
             return FinishReason.LENGTH
         return None
@@ -315,7 +363,7 @@ class _InFlight:
 def _reads_history(request: Request) -> bool:
     """Whether sampling the request reads its earlier output tokens (penalties, bad words)."""
     p = request.params
-    return bool(p.bad_token_ids) or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
+    return request.matcher is not None or bool(p.bad_token_ids) or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
         or p.frequency_penalty != 0.0
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import json
 import os
 import pathlib
 import re
@@ -161,8 +162,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="key tritone-openai requires as 'Authorization: Bearer KEY' (default: $TRITONE_API_KEY; "
                         "none: open)")
+    p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
+                   help="the model's tool-call syntax for tritone-openai (default auto: from the chat template; "
+                        "hermes where it names none)")
     p.add_argument("--log-verbose", type=int, default=0)
     return p
+
+
+def chat_template_text(model_dir: pathlib.Path) -> str:
+    """The model's chat template as written in its directory (empty where it has none)."""
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.exists():
+        return jinja.read_text()
+    try:
+        template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template") or ""
+    except (OSError, ValueError):
+        return ""
+    return template if isinstance(template, str) else json.dumps(template)
 
 
 def template_values(args, model_dir: pathlib.Path) -> dict[str, str]:
@@ -245,8 +261,14 @@ class Server:
         if a.api_key:
             env["TRITONE_API_KEY"] = a.api_key
         grpc_host = "127.0.0.1" if a.host in ("0.0.0.0", "::", "") else a.host
+        parser = getattr(a, "tool_call_parser", "auto")
+        if parser == "auto":
+            from tritone.openai.tools import parser_for_template
+
+            parser = parser_for_template(chat_template_text(self.model_dir))
         command = [sys.executable, "-m", "tritone.openai", "--grpc-url", f"{grpc_host}:{a.grpc_port}",
-                   "--host", a.host, "--port", str(a.openai_port), "--model-name", self.model_dir.name]
+                   "--host", a.host, "--port", str(a.openai_port), "--model-name", self.model_dir.name,
+                   "--tool-call-parser", parser]
         self.frontend = subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
                                          start_new_session=True, preexec_fn=_die_with_parent)
 

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tritone.grammar import Guide
+
 
 class FinishReason(str, enum.Enum):
     LENGTH = "length"
@@ -45,6 +47,8 @@ class SamplingParams:
     seed: int | None = None
     bad_token_ids: list[list[int]] = field(default_factory=list)
     return_log_probs: bool = False
+    # Constrains the output to a JSON schema, regex, grammar or structural tag (tritone.grammar).
+    guide: "Guide | None" = None
 
     @property
     def is_greedy(self) -> bool:
@@ -118,6 +122,10 @@ class Request:
     num_pending_tokens: int = 0
     # The runner's block-table row while it runs (-1: none yet).
     block_table_row: int = -1
+    # A guided request's compiled grammar on its way (a Future; the scheduler does not admit the
+    # request until it is done), then its matcher, advanced by every token the engine keeps.
+    grammar_future: object = None
+    matcher: object = None
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -2,7 +2,8 @@
 
 Each sampled request draws one uniform per step from its own generator, inverted through its
 row's distribution, so a seeded request yields the same tokens whatever else shares the batch.
-The transforms follow Hugging Face's logits processors, in the order `generate` applies them:
+Guided requests' logits are first masked to what their grammars allow (tritone.grammar). The
+transforms then follow Hugging Face's logits processors, in the order `generate` applies them:
 repetition penalty (over prompt and output tokens), presence and frequency penalties (output
 tokens, as in vLLM), bad words and min_tokens bans; then, for sampled rows, temperature, top-k,
 top-p over what top-k kept, min-p.
@@ -27,7 +28,8 @@ def banned_token_ids(request: Request) -> list[int]:
         n = len(seq) - 1
         if n == 0 or (n <= num_tokens and request.tokens_slice(num_tokens - n, num_tokens) == list(seq[:-1])):
             banned.append(seq[-1])
-    if len(request.output_ids) < request.params.min_tokens:
+    # A guided request ends where its grammar does (its mask then leaves only the stop tokens).
+    if len(request.output_ids) < request.params.min_tokens and request.matcher is None:
         banned.extend(request.end_ids)
     return banned
 
@@ -38,13 +40,17 @@ def needs_logits(requests: list[Request]) -> bool:
     writing them."""
     for r in requests:
         p = r.params
-        if (not p.is_greedy or p.return_log_probs or _has_penalty(r) or p.bad_token_ids
+        if (r.matcher is not None or not p.is_greedy or p.return_log_probs or _has_penalty(r) or p.bad_token_ids
                 or (len(r.output_ids) < p.min_tokens and r.end_ids)):
             return True
     return False
 
 
 class Sampler:
+    def __init__(self, grammars=None):
+        # tritone.grammar.Grammars: masks the logits of guided requests.
+        self.grammars = grammars
+
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
         """Returns one token id per row of `logits` [B, V] and its log-probability (under the
         distribution after penalties and bans, before temperature, top-k, top-p and min-p)."""
@@ -55,6 +61,9 @@ class Sampler:
         """As `__call__`, as tensors on the logits' device: [B] int64 ids, and [B] float32
         log-probabilities where a request asked for them (else None)."""
         logits = logits.float()
+        guided = [i for i, r in enumerate(requests) if r.matcher is not None]
+        if guided:
+            self.grammars.apply(logits, [requests[i].matcher for i in guided], guided)
         apply_penalties(logits, requests)
         apply_bans(logits, requests)
         greedy = torch.tensor([r.params.is_greedy for r in requests])

@@ -3,7 +3,8 @@
 One rule covers prefill, chunked prefill, prefix-cache hits and decode: each scheduled request
 computes `min(num_tokens - num_computed_tokens, budget left)` tokens. Running requests go first
 (FCFS); when blocks run out the newest running request is preempted by recompute; waiting
-requests are admitted in arrival order while blocks last and nobody was preempted this step.
+requests are admitted in arrival order while blocks last and nobody was preempted this step
+(passing over guided requests whose grammar is still compiling).
 """
 
 from __future__ import annotations
@@ -99,8 +100,14 @@ class Scheduler:
         request.finish_reason = reason
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
+        # A guided request whose grammar is still compiling keeps its place in the queue without
+        # holding back the requests behind it.
+        compiling = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
+            if request.grammar_future is not None:
+                compiling.append(self.waiting.popleft())
+                continue
             cached = self.block_manager.find_cached_blocks(request)
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
@@ -115,6 +122,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(compiling))
 
     def _newest_running(self, exclude: list[Request]) -> Request:
         for request in reversed(self.running):

@@ -19,6 +19,7 @@ from typing import Callable, Iterator, NamedTuple
 import numpy as np
 
 from tritone.flow import ChunkWatch, FlowBoard
+from tritone.grammar import Guide
 from tritone.request import FinishReason, RequestOutput, SamplingParams
 from tritone.text import Detokenizer, StopMatcher, from_word_list_tensor
 
@@ -80,19 +81,41 @@ def decode_text(raw, name: str = "text_input", max_bytes: int = 0) -> str:
 
 
 def parse_messages(raw, max_bytes: int = 0) -> list[dict]:
-    """Chat messages from the `messages` input: a JSON list of {"role": ..., "content": ...}."""
-    text = decode_text(raw, "messages", max_bytes)
-    try:
-        messages = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"messages is not valid JSON: {exc}") from None
+    """Chat messages from the `messages` input: a JSON list of {"role": ..., "content": ...}; an
+    assistant message may hold `tool_calls` instead of content, and a tool's answer its
+    `tool_call_id` (OpenAI's shapes, which tool-aware chat templates read)."""
+    messages = _json_input(raw, "messages", max_bytes)
     if not isinstance(messages, list) or not messages:
         raise ValueError('messages must be a non-empty JSON list of {"role": ..., "content": ...} objects')
     for i, message in enumerate(messages):
-        if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
             raise ValueError(f"messages[{i}] must be an object with a string role and a string content")
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise ValueError(f"messages[{i}] must be an object with a string role and a string content")
+        if "tool_calls" in message and not isinstance(message["tool_calls"], list):
+            raise ValueError(f"messages[{i}].tool_calls must be a list")
     return messages
+
+
+def parse_tools(raw, max_bytes: int = 0) -> list[dict]:
+    """The `tools` input: a JSON list of OpenAI function tools, as chat templates take them."""
+    tools = _json_input(raw, "tools", max_bytes)
+    if not isinstance(tools, list):
+        raise ValueError('tools must be a JSON list of {"type": "function", "function": {...}} objects')
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    return tools
+
+
+def _json_input(raw, name: str, max_bytes: int):
+    text = decode_text(raw, name, max_bytes)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from None
 
 
 @dataclass(slots=True)
@@ -137,6 +160,7 @@ def parse_llm_request(get: Getter) -> LLMRequest:
         seed=None if seed is None else int(seed),
         bad_token_ids=_word_ids(get, "BAD_WORDS_IDS"),
         return_log_probs=bool(scalar(get, "RETURN_LOG_PROBS", False)),
+        guide=parse_guide(get),
     )
     return LLMRequest(
         prompt_ids=input_ids.reshape(-1).tolist(),
@@ -147,6 +171,19 @@ def parse_llm_request(get: Getter) -> LLMRequest:
         stop_words=text_list(get, "STOP_WORDS"),
         flow_control=bool(scalar(get, "FLOW_CONTROL", False)),
     )
+
+
+def parse_guide(get: Getter) -> Guide | None:
+    """TensorRT-LLM's guided decoding inputs: guided_decoding_guide_type (json, json_schema,
+    regex, ebnf_grammar, structural_tag) and guided_decoding_guide (the schema, regex, grammar or
+    tag; none for json). The guide is checked when the engine takes the request."""
+    guide_type = scalar(get, "GUIDED_DECODING_GUIDE_TYPE")
+    guide = scalar(get, "GUIDED_DECODING_GUIDE")
+    if guide_type is None:
+        if guide is not None:
+            raise ValueError("guided_decoding_guide needs guided_decoding_guide_type")
+        return None
+    return Guide(str(guide_type), "" if guide is None else str(guide))
 
 
 def abort_target(get: Getter) -> tuple[int | None, str | None] | None:
@@ -335,7 +372,9 @@ class Preprocessor:
             try:
                 name, prompt = self._prompt(get)
                 flag = scalar(get, "APPLY_CHAT_TEMPLATE")
-                text = self.encoder.prepare(prompt, None if flag is None else bool(flag))
+                tools = get("TOOLS")
+                tools = None if tools is None else parse_tools(tools.reshape(-1)[0], self.max_input_bytes)
+                text = self.encoder.prepare(prompt, None if flag is None else bool(flag), tools)
                 bad_words = self.encoder.encode_bad_words(text_list(get, "BAD_WORDS"))
             except ValueError as exc:
                 results[i] = exc

@@ -47,13 +47,16 @@ class PromptEncoder:
         flags = apply_chat_template or [None] * len(prompts)
         return self.tokenize([self.prepare(p, f) for p, f in zip(prompts, flags)])
 
-    def prepare(self, prompt: str | list[dict], apply_chat_template: bool | None = None) -> tuple[str, bool]:
+    def prepare(self, prompt: str | list[dict], apply_chat_template: bool | None = None,
+                tools: list[dict] | None = None) -> tuple[str, bool]:
         """The text to tokenize for one prompt, and whether it is in the chat template: a text is
         unless its flag or the server says not; chat messages always are."""
+        if tools and isinstance(prompt, str):
+            raise ValueError("tools: tools come with chat messages, not text_input")
         if not isinstance(prompt, str):
             if apply_chat_template is False:
                 raise ValueError("apply_chat_template: messages always go through the chat template")
-            return self.render_chat(prompt), True
+            return self.render_chat(prompt, tools), True
         use = self.use_chat_template if apply_chat_template is None else apply_chat_template
         return (self.render_chat([{"role": "user", "content": prompt}]), True) if use else (prompt, False)
 
@@ -66,11 +69,14 @@ class PromptEncoder:
         chat_ids = iter(self.tokenizer(chat, add_special_tokens=False).input_ids if chat else [])
         return [next(chat_ids) if templated else next(plain_ids) for _, templated in prepared]
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], tools: list[dict] | None = None) -> str:
         if not self.tokenizer.chat_template:
             raise ValueError("apply_chat_template: the model has no chat template")
+        if (tools or _has_tool_turns(messages)) and not template_takes_tools(self.tokenizer.chat_template):
+            messages, tools = hermes_tool_messages(messages, tools), None
         try:
-            return self.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+            return self.tokenizer.apply_chat_template(messages, tools=tools or None, add_generation_prompt=True,
+                                                      tokenize=False)
         except Exception as exc:  # the template's own checks (roles, order) raise what they like
             raise ValueError(f"messages: the model's chat template refused them: {exc}") from None
 
@@ -302,3 +308,62 @@ class StopMatcher:
         text = self.detokenizer.delta(context, ids[num_sent:end], True, self.skip)
         shown = self.ends[num_sent - 1] if num_sent else 0
         return end, max(0, shown + len(text) - stop_start)
+
+
+def template_takes_tools(chat_template) -> bool:
+    """Whether a chat template renders `tools` itself (Qwen 2.5 / 3, Llama 3.1+, Hermes...)."""
+    text = chat_template if isinstance(chat_template, str) else json.dumps(chat_template)
+    return "tools" in text
+
+
+def _has_tool_turns(messages: list[dict]) -> bool:
+    return any(m.get("tool_calls") or m.get("role") == "tool" for m in messages)
+
+
+_HERMES_TOOLS = """# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{tools}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>"""
+
+
+def hermes_tool_messages(messages: list[dict], tools: list[dict] | None) -> list[dict]:
+    """Messages for a chat template that knows nothing of tools, written as Qwen 2.5's template
+    writes them: the tools in the system message, calls as <tool_call> blocks, tool answers as
+    <tool_response> blocks in a user turn."""
+    out = []
+    for message in messages:
+        role, content = message["role"], message.get("content") or ""
+        if message.get("tool_calls"):
+            calls = []
+            for call in message["tool_calls"]:
+                function = call.get("function", call)
+                arguments = function.get("arguments", {})
+                if isinstance(arguments, str):
+                    try:
+                        arguments = json.loads(arguments)
+                    except json.JSONDecodeError:
+                        pass
+                calls.append("<tool_call>\n" + json.dumps({"name": function.get("name"), "arguments": arguments})
+                             + "\n</tool_call>")
+            content = "\n".join(([content] if content else []) + calls)
+            out.append({"role": "assistant", "content": content})
+        elif role == "tool":
+            out.append({"role": "user", "content": f"<tool_response>\n{content}\n</tool_response>"})
+        else:
+            out.append({"role": role, "content": content})
+    if tools:
+        system = _HERMES_TOOLS.format(tools="\n".join(json.dumps(t) for t in tools))
+        if out and out[0]["role"] == "system":
+            out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + system}
+        else:
+            out.insert(0, {"role": "system", "content": system})
+    return out

@@ -25,12 +25,29 @@ def _add_common(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stop", action="append", default=None, help="stop word (repeatable)")
     p.add_argument("--bad-word", action="append", default=None, dest="bad_words",
                    help="word never to generate (repeatable)")
+    p.add_argument("--json-schema", metavar="SCHEMA", help="constrain the answer to this JSON schema (text or @file)")
+    p.add_argument("--json", action="store_true", help="constrain the answer to a JSON object")
+    p.add_argument("--regex", help="constrain the answer to this regular expression")
+    p.add_argument("--grammar", metavar="EBNF", help="constrain the answer to this EBNF grammar (text or @file)")
 
 
 def _sampling(args) -> dict:
     names = ("temperature", "top_k", "top_p", "min_p", "repetition_penalty", "presence_penalty",
              "frequency_penalty", "seed")
-    return {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    values = {n: getattr(args, n) for n in names if getattr(args, n) is not None}
+    guides = [(kind, value) for kind, value in (("json_schema", args.json_schema), ("regex", args.regex),
+                                                ("ebnf_grammar", args.grammar), ("json", "" if args.json else None))
+              if value is not None]
+    if len(guides) > 1:
+        raise SystemExit("give one of --json-schema, --json, --regex, --grammar")
+    if guides:
+        kind, value = guides[0]
+        if value.startswith("@"):
+            value = open(value[1:], encoding="utf-8").read()
+        values["guided_decoding_guide_type"] = kind
+        if value:
+            values["guided_decoding_guide"] = value
+    return values
 
 
 def _print_answer(client: TritoneClient, prompt: str | list[dict], args, **extra) -> str:

@@ -21,6 +21,9 @@ INPUT_DTYPES = {
     "stream": np.bool_, "return_log_probs": np.bool_, "exclude_input_in_output": np.bool_,
     "skip_special_tokens": np.bool_, "apply_chat_template": np.bool_,
     "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_,
+    # Guided decoding, as TensorRT-LLM names it: json | json_schema | regex | ebnf_grammar |
+    # structural_tag, and the schema, regex, grammar or tag.
+    "guided_decoding_guide_type": np.object_, "guided_decoding_guide": np.object_,
 }
 OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "cum_log_probs", "output_log_probs", "finish_reason")
 
@@ -91,6 +94,8 @@ class TritoneClient:
         for name, value in values.items():
             if name not in INPUT_DTYPES:
                 raise ValueError(f"unknown input {name!r}")
+            if INPUT_DTYPES[name] is np.object_:
+                value = value.encode("utf-8")
             arrays[name] = np.array([[value]], dtype=INPUT_DTYPES[name])
         return infer_inputs(t, arrays.items())
 

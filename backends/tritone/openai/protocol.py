@@ -1,7 +1,11 @@
 """OpenAI's request bodies, checked, and what each becomes as `ensemble` inputs.
 
-Only what the engine can honour is accepted: an unsupported feature (n > 1, tools, echo, ...)
-is refused with a 400 that names it, and an unknown field is refused too, never ignored.
+Only what the engine can honour is accepted: an unsupported feature (n > 1, echo, ...) is refused
+with a 400 that names it, and an unknown field is refused too, never ignored.
+
+Structured outputs take OpenAI's `response_format` and vLLM's extras (`guided_json`,
+`guided_regex`, `guided_choice`, `guided_grammar`, `structured_outputs`); each becomes the
+ensemble's `guided_decoding_guide_type` / `guided_decoding_guide`, as TensorRT-LLM names them.
 """
 
 from __future__ import annotations
@@ -56,6 +60,39 @@ class _Sampling(BaseModel):
     min_tokens: int | None = None
     ignore_eos: bool = False
     repetition_penalty: float | None = None
+    response_format: dict[str, Any] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: dict[str, Any] | None = None
+
+    def guide(self) -> tuple[str, str, str] | None:
+        """(the field the constraint came from, guide type, guide text), or None; at most one
+        constraint per request."""
+        found = []
+        if self.response_format is not None:
+            found += _response_format_guide(self.response_format)
+        for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
+                           ("guided_grammar", "ebnf_grammar")):
+            value = getattr(self, name)
+            if value is not None:
+                found.append((name, kind, value))
+        for key, value in (self.structured_outputs or {}).items():
+            kind = {"json": "json_schema", "regex": "regex", "choice": "choice", "grammar": "ebnf_grammar",
+                    "json_object": "json", "structural_tag": "structural_tag"}.get(key)
+            if kind is None:
+                raise RequestError(f"structured_outputs.{key} is not supported (json, regex, choice, grammar, "
+                                   f"json_object, structural_tag)", f"structured_outputs.{key}")
+            if value is not None and value is not False:
+                found.append((f"structured_outputs.{key}", kind, value))
+        if len(found) > 1:
+            raise RequestError(f"give one output constraint, not {len(found)}: {', '.join(f[0] for f in found)}",
+                               found[1][0])
+        if not found:
+            return None
+        field, kind, value = found[0]
+        return (field, *_guide_text(field, kind, value))
 
     def check_supported(self) -> None:
         if self.n != 1:
@@ -83,6 +120,9 @@ class _Sampling(BaseModel):
         inputs = {name: np.array([[value]], dtype=dtype) for name, (value, dtype) in values.items() if value is not None}
         if stop:
             inputs["stop_words"] = np.array([[s.encode() for s in stop]], dtype=object)
+        guide = self.guide()
+        if guide is not None:
+            add_guide(inputs, guide[1], guide[2])
         return inputs
 
     @property
@@ -135,21 +175,18 @@ class ChatCompletionRequest(_Sampling):
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
-    tools: list | None = None
+    tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list | None = None
     function_call: Any = None
     parallel_tool_calls: bool | None = None
-    response_format: dict[str, Any] | None = None
 
     def check_supported(self) -> None:
         super().check_supported()
-        for name in ("tools", "tool_choice", "functions", "function_call"):
-            if getattr(self, name) not in (None, [], "none"):
-                raise RequestError(f"{name} is not supported: tool and function calling are not implemented", name)
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise RequestError("response_format must be {\"type\": \"text\"}: structured output is not supported",
-                               "response_format")
+        for name in ("functions", "function_call"):
+            if getattr(self, name) is not None:
+                raise RequestError(f"{name} is not supported: use tools and tool_choice", name)
+        self._check_tools()
         if self.top_logprobs:
             raise RequestError("top_logprobs is not supported: only the chosen tokens' log-probabilities are returned",
                                "top_logprobs")
@@ -159,21 +196,124 @@ class ChatCompletionRequest(_Sampling):
         inputs = self.sampling_inputs(DEFAULT_CHAT_MAX_TOKENS if max_tokens is None else max_tokens)
         messages = [_plain_message(m, i) for i, m in enumerate(self.messages)]
         inputs["messages"] = np.array([[json.dumps(messages).encode()]], dtype=object)
+        if self.tools:
+            inputs["tools"] = np.array([[json.dumps(self.tools).encode()]], dtype=object)
         if self.logprobs:
             inputs["return_log_probs"] = np.array([[True]])
         return inputs
+
+    def tool_inputs(self, inputs: dict[str, np.ndarray], parser: str) -> None:
+        """Adds the grammar of the model's tool calls (auto, required or one named function)."""
+        from tritone.openai.tools import tool_guide
+
+        if self.calls_tools:
+            add_guide(inputs, "structural_tag", tool_guide(self.tools, self.tool_choice or "auto", parser))
+
+    @property
+    def calls_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+    def _check_tools(self) -> None:
+        if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
+            raise RequestError("tool_choice needs tools", "tool_choice")
+        for i, tool in enumerate(self.tools or []):
+            function = tool.get("function") if isinstance(tool, dict) else None
+            if tool.get("type") != "function" or not isinstance(function, dict) \
+                    or not isinstance(function.get("name"), str):
+                raise RequestError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
+                                   f'"parameters": {{...}}}}}}', f"tools[{i}]")
+            if not isinstance(function.get("parameters", {}), dict):
+                raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object",
+                                   f"tools[{i}].function.parameters")
+        choice = self.tool_choice
+        if isinstance(choice, dict):
+            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            if not isinstance(name, str):
+                raise RequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                                   '"function": {"name": ...}}', "tool_choice")
+            if name not in {t["function"]["name"] for t in self.tools or []}:
+                raise RequestError(f"tool_choice names {name!r}, which is not among the tools", "tool_choice")
+        elif choice not in (None, "none", "auto", "required"):
+            raise RequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
+                               '"function": {"name": ...}}', "tool_choice")
+        if self.calls_tools and self.guide() is not None:
+            raise RequestError("tools with tool_choice other than none cannot be combined with another output "
+                               "constraint", self.guide()[0])
 
     @property
     def wants_logprobs(self) -> bool:
         return self.logprobs
 
 
-def _plain_message(message: dict[str, Any], index: int) -> dict[str, str]:
-    """A message as the chat template takes it: text content only (parts of type text joined)."""
+def add_guide(inputs: dict[str, np.ndarray], guide_type: str, guide: str) -> None:
+    inputs["guided_decoding_guide_type"] = np.array([[guide_type.encode()]], dtype=object)
+    if guide:
+        inputs["guided_decoding_guide"] = np.array([[guide.encode()]], dtype=object)
+
+
+def _response_format_guide(response_format: dict) -> list[tuple[str, str, Any]]:
+    kind = response_format.get("type")
+    if kind == "text":
+        return []
+    if kind == "json_object":
+        return [("response_format", "json", "")]
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
+        if not isinstance(schema, dict):
+            raise RequestError("response_format.json_schema.schema must be a JSON schema object",
+                               "response_format.json_schema.schema")
+        # strict or not, the schema is enforced: xgrammar either enforces a keyword or the
+        # engine refuses the schema.
+        return [("response_format", "json_schema", schema)]
+    raise RequestError('response_format.type must be "text", "json_object" or "json_schema"', "response_format.type")
+
+
+def _guide_text(field: str, kind: str, value) -> tuple[str, str]:
+    """(guide type, guide text) for the ensemble."""
+    if kind == "json_schema":
+        if isinstance(value, str):
+            return kind, value
+        if not isinstance(value, dict):
+            raise RequestError(f"{field} must be a JSON schema object", field)
+        return kind, json.dumps(value)
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise RequestError(f"{field} must be a non-empty list of non-empty strings", field)
+        # An EBNF of the literal choices: no regex escaping to get wrong.
+        return "ebnf_grammar", "root ::= " + " | ".join(json.dumps(c) for c in value)
+    if kind == "json":
+        return kind, ""
+    if kind == "structural_tag" and not isinstance(value, str):
+        return kind, json.dumps(value)
+    if not isinstance(value, str) or not value:
+        raise RequestError(f"{field} must be a non-empty string", field)
+    return kind, value
+
+
+def _plain_message(message: dict[str, Any], index: int) -> dict[str, Any]:
+    """A message as the chat template takes it: text content (parts of type text joined), and
+    the tool fields of assistant calls and tool answers (arguments as objects, which tool-aware
+    templates write out with tojson)."""
     field = f"messages[{index}]"
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str):
         raise RequestError(f"{field}.role must be a string", f"{field}.role")
+    if role == "assistant" and message.get("tool_calls"):
+        calls = []
+        for j, call in enumerate(message["tool_calls"]):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise RequestError(f"{field}.tool_calls[{j}] must hold a function with a name",
+                                   f"{field}.tool_calls[{j}]")
+            arguments = function.get("arguments", "{}")
+            try:
+                arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
+            except json.JSONDecodeError:
+                pass
+            calls.append({"id": call.get("id"), "type": "function",
+                          "function": {"name": function["name"], "arguments": arguments}})
+        return {"role": role, "content": content if isinstance(content, str) else None, "tool_calls": calls}
     if isinstance(content, list):
         texts = []
         for part in content:
@@ -183,10 +323,15 @@ def _plain_message(message: dict[str, Any], index: int) -> dict[str, str]:
         content = "".join(texts)
     if not isinstance(content, str):
         raise RequestError(f"{field}.content must be a string or a list of text parts", f"{field}.content")
-    return {"role": role, "content": content}
+    out = {"role": role, "content": content}
+    if role == "tool" and isinstance(message.get("tool_call_id"), str):
+        out["tool_call_id"] = message["tool_call_id"]
+    if isinstance(message.get("name"), str):
+        out["name"] = message["name"]
+    return out
 
 
-FinishReason = Literal["stop", "length"]
+FinishReason = Literal["stop", "length", "tool_calls"]
 
 
 def finish_reason(engine_reason: str) -> str | None:

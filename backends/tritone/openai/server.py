@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import os
@@ -30,6 +31,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from tritone_client.client import infer_inputs
 
 from tritone.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestError, finish_reason
+from tritone.openai.tools import PARSERS, ToolStream, parse_tool_calls
 
 logger = logging.getLogger("tritone.openai")
 ENSEMBLE = "ensemble"
@@ -90,14 +92,15 @@ class Backend:
     def _inputs(self, tensors: dict[str, np.ndarray]) -> list:
         return infer_inputs(self._grpcaio, tensors.items())
 
-    def generate(self, request_id: str, tensors: dict[str, np.ndarray]) -> "Generation":
-        """The ensemble's responses to one request, as a Generation."""
+    def generate(self, request_id: str, tensors: dict[str, np.ndarray], guide_field: str | None = None) -> "Generation":
+        """The ensemble's responses to one request, as a Generation; `guide_field` names the
+        OpenAI field of its output constraint in the engine's errors about it."""
         inputs = self._inputs(tensors)
 
         async def requests():
             yield {"model_name": ENSEMBLE, "inputs": inputs, "request_id": request_id}
 
-        return Generation(self, request_id, self.client.stream_infer(requests()))
+        return Generation(self, request_id, self.client.stream_infer(requests()), guide_field)
 
     def _abort_later(self, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self.abort(request_id))
@@ -134,8 +137,9 @@ class Generation:
     does not wait, so that it also works from code that is being cancelled (a client's
     disconnect cancels the response's task)."""
 
-    def __init__(self, backend: Backend, request_id: str, stream):
+    def __init__(self, backend: Backend, request_id: str, stream, guide_field: str | None = None):
         self.backend, self.request_id, self.stream = backend, request_id, stream
+        self.guide_field = guide_field
         # The final response came, or an error: nothing left to cancel in the engine.
         self.is_answered = False
         # The prompt's count comes with the first and the final response; each chunk carries it.
@@ -153,7 +157,14 @@ class Generation:
             self.is_answered = True
             message = _ENSEMBLE_PREFIX.sub("", error.message() if hasattr(error, "message") else str(error))
             status = error_status(message)
-            raise RequestError(message, status=status, type="server_error" if status >= 500 else "invalid_request_error")
+            param = None
+            if self.guide_field and message.startswith("guided_decoding_guide"):
+                # The engine names the ensemble's input; the client sent an OpenAI field.
+                message = self.guide_field + message.removeprefix("guided_decoding_guide_type").removeprefix(
+                    "guided_decoding_guide")
+                param = self.guide_field
+            raise RequestError(message, param, status=status,
+                               type="server_error" if status >= 500 else "invalid_request_error")
         chunk = _chunk(result)
         if chunk.num_input_tokens is None:
             chunk.num_input_tokens = self.num_input_tokens
@@ -206,8 +217,9 @@ def _sse(payload: dict | str) -> bytes:
 class OpenAIServer:
     """The routes, for one served model name, over one Backend."""
 
-    def __init__(self, backend_url: str, model_name: str, api_key: str | None = None):
+    def __init__(self, backend_url: str, model_name: str, api_key: str | None = None, tool_parser: str = "hermes"):
         self.backend_url, self.model_name, self.api_key = backend_url, model_name, api_key
+        self.tool_parser = tool_parser
         self.backend: Backend | None = None
         self.created = int(time.time())
         self.app = FastAPI(title="tritone-openai", lifespan=self._lifespan)
@@ -287,8 +299,14 @@ class OpenAIServer:
     async def _serve(self, body, request: Request, prefix: str, format_cls):
         self._check_model(body.model)
         body.check_supported()
-        fmt = format_cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), self.model_name, body.wants_logprobs)
-        chunks = self.backend.generate(fmt.id, body.ensemble_inputs())
+        calls_tools = getattr(body, "calls_tools", False)
+        fmt = format_cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), self.model_name, body.wants_logprobs,
+                         self.tool_parser if calls_tools else None)
+        inputs = body.ensemble_inputs()
+        if calls_tools:
+            body.tool_inputs(inputs, self.tool_parser)
+        guide = body.guide()
+        chunks = self.backend.generate(fmt.id, inputs, "tools" if calls_tools else guide and guide[0])
         try:
             if not body.stream:
                 answer = await _unless_gone(request, _join(chunks))
@@ -307,11 +325,23 @@ class OpenAIServer:
         # On a client's disconnect Starlette cancels this generator's task: close() then
         # cancels the gRPC stream and aborts the request in the engine.
         last = first
+        tools = ToolStream(fmt.tool_parser) if fmt.tool_parser else None
         try:
             yield _sse(fmt.start(include_usage))
             chunk = first
             while True:
                 last = chunk
+                if tools is not None:
+                    chunk = dataclasses.replace(chunk, text=tools.feed(chunk.text))
+                    if chunk.finish_reason:
+                        rest, calls = tools.finish()
+                        chunk.text += rest
+                        if calls:
+                            if chunk.text:
+                                yield _sse(fmt.delta(dataclasses.replace(chunk, finish_reason=None, log_probs=[]),
+                                                     include_usage))
+                            yield _sse(fmt.tool_delta(calls, include_usage))
+                            chunk = dataclasses.replace(chunk, text="", finish_reason=_tool_finish(chunk.finish_reason))
                 if chunk.text or chunk.log_probs or chunk.finish_reason:
                     yield _sse(fmt.delta(chunk, include_usage, continuous_usage))
                 if chunk.finish_reason:
@@ -367,6 +397,8 @@ class _Format:
     created: int
     model: str
     wants_logprobs: bool
+    # The tool-call syntax to parse the answer by (chat with tools), else None.
+    tool_parser: str | None = None
 
     def _envelope(self, object_: str, choices: list, usage=None, with_usage_key: bool = False) -> dict:
         """OpenAI's envelope; with include_usage, every chunk has a usage key (null but in the last)."""
@@ -404,9 +436,21 @@ class _ChatFormat(_Format):
             if self.wants_logprobs else None
 
     def whole(self, a: Answer) -> dict:
-        choice = {"index": 0, "message": {"role": "assistant", "content": a.text},
-                  "logprobs": self._logprobs(a.log_probs), "finish_reason": a.finish_reason}
+        message = {"role": "assistant", "content": a.text}
+        reason = a.finish_reason
+        if self.tool_parser:
+            content, calls = parse_tool_calls(a.text, self.tool_parser)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+                reason = _tool_finish(reason)
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(a.log_probs), "finish_reason": reason}
         return self._envelope("chat.completion", [choice], _usage(a))
+
+    def tool_delta(self, calls, include_usage: bool) -> dict:
+        # Each call whole in one delta: its id, name and all its arguments.
+        choice = {"index": 0, "delta": {"tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]},
+                  "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice], None, include_usage)
 
     def start(self, include_usage: bool) -> dict:
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
@@ -422,6 +466,10 @@ class _ChatFormat(_Format):
         return self._envelope("chat.completion.chunk", [], _usage(last))
 
 
+def _tool_finish(reason: str | None) -> str | None:
+    return "tool_calls" if reason == "stop" else reason
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="tritone-openai",
                                 description="OpenAI-compatible API (completions, chat) in front of Tritone's ensemble.")
@@ -432,6 +480,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the model name clients send and /v1/models lists (scripts/serve: the model directory's name)")
     p.add_argument("--api-key", default=os.environ.get("TRITONE_API_KEY"),
                    help="require 'Authorization: Bearer KEY' (default: $TRITONE_API_KEY; none: open)")
+    p.add_argument("--tool-call-parser", default="hermes", choices=PARSERS,
+                   help="the model's tool-call syntax (default hermes: <tool_call> blocks, as Qwen 2.5 / 3 write "
+                        "them; llama3_json: Llama 3.x JSON); scripts/serve picks it from the chat template")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -441,7 +492,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="tritone-openai: %(message)s")
-    server = OpenAIServer(args.grpc_url, args.model_name, args.api_key)
+    server = OpenAIServer(args.grpc_url, args.model_name, args.api_key, args.tool_call_parser)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0
