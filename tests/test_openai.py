@@ -144,9 +144,10 @@ def error_of(call) -> openai.APIStatusError:
     ({"max_tokens": 0}, 400, "max_tokens"),                   # the engine's own message
     ({"max_tokens": 10_000_000}, 400, "max_tokens"),          # the engine's own message
     ({"n": 2}, 400, "n"),
-    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]}, 400, "tools"),
+    ({"functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, 400, "tools[0]"),
     ({"top_logprobs": 2, "logprobs": True}, 400, "top_logprobs"),
-    ({"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ({"response_format": {"type": "json_schema"}}, 400, "response_format"),
     ({"extra_body": {"max_tokens": "many"}}, 400, "max_tokens"),
     ({"extra_body": {"no_such_option": 1}}, 400, "no_such_option"),
     ({"model": "gpt-4"}, 404, "model"),

@@ -32,13 +32,14 @@ def parser_for_template(chat_template) -> str:
 def tool_guide(tools: list[dict], tool_choice, parser: str) -> str:
     """The structural tag (xgrammar JSON) that holds the model's tool calls to the tools' names
     and parameter schemas: `auto` lets the model write text or calls, `required` demands at least
-    one call, a named function exactly that one."""
+    one call, a named function exactly that one. At most one whitespace character in a row
+    inside the arguments: with free whitespace a small model can write it until max_tokens."""
     import xgrammar
 
     if isinstance(tool_choice, dict):
         tool_choice = {"type": "function", "function": {"name": tool_choice["function"]["name"]}}
     tag = xgrammar.get_model_structural_tag(_XGRAMMAR_FORMATS[parser], tools=tools, tool_choice=tool_choice,
-                                            reasoning=False)
+                                            reasoning=False, max_whitespace_cnt=1)
     return tag.model_dump_json()
 
 
@@ -75,13 +76,11 @@ def parse_tool_calls(text: str, parser: str) -> tuple[str | None, list[ToolCall]
     body = text.strip().removeprefix("<|python_tag|>").strip()
     if not body.startswith("{"):
         return text, []
-    calls = []
-    for part in _split_json_objects(body):
-        call = _call(part)
-        if call is None:
-            return text, []
-        calls.append(call)
-    return None, calls
+    parts, rest = _split_json_objects(body)
+    calls = [_call(part) for part in parts]
+    if not calls or None in calls:
+        return text, []
+    return rest.strip() or None, calls
 
 
 def _call(raw: str) -> ToolCall | None:
@@ -95,21 +94,23 @@ def _call(raw: str) -> ToolCall | None:
     return ToolCall(obj["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False))
 
 
-def _split_json_objects(body: str) -> list[str]:
-    """`{...}; {...}` -> its objects' texts (separators `;` or whitespace)."""
+def _split_json_objects(body: str) -> tuple[list[str], str]:
+    """`{...}; {...} rest` -> (the leading objects' texts, separated by `;` or whitespace; the
+    text after them)."""
     decoder, parts, i = json.JSONDecoder(), [], 0
     while i < len(body):
-        while i < len(body) and body[i] in "; \n\t":
-            i += 1
-        if i >= len(body):
+        j = i
+        while j < len(body) and body[j] in "; \n\t":
+            j += 1
+        if j >= len(body) or body[j] != "{":
             break
         try:
-            _, end = decoder.raw_decode(body, i)
+            _, end = decoder.raw_decode(body, j)
         except json.JSONDecodeError:
-            return [body]
-        parts.append(body[i:end])
+            break
+        parts.append(body[j:end])
         i = end
-    return parts
+    return parts, body[i:]
 
 
 class ToolStream:
