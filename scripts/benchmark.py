@@ -13,6 +13,11 @@ token; a later response that carries k tokens after a gap of g seconds counts as
 gaps of g/k (the servers' own counts say how many tokens each response carries: Tritone's
 num_output_tokens, vLLM's continuous usage), so a server that bundles tokens under load is
 measured per token like one that streams each.
+
+With --structured json-schema, each level runs twice on each stack, without and with every request
+constrained to the same JSON schema (an object whose array of words is longer than the output, so
+that constrained requests also make --output-len tokens and pay the grammar at every step), and
+the first-token latency of a schema never seen before is measured against a cached one.
 """
 
 from __future__ import annotations
@@ -103,18 +108,36 @@ async def closed_loop(one, prompts, concurrency, label="") -> dict:
             "tokens_per_response": sum(counts) / max(1, sum(responses))}
 
 
-async def run_level(url, prompts, concurrency, output_len, temperature=0.0, top_p=1.0):
-    """One level against Tritone's ensemble over gRPC streaming."""
+# More words than any output here holds: a constrained request is cut by max_tokens, as a free one.
+STRUCTURED_SCHEMA = {"type": "object", "properties": {
+    "title": {"type": "string"},
+    "words": {"type": "array", "items": {"type": "string"}, "minItems": 200}}, "required": ["title", "words"]}
+
+
+def schema_variant(n: int) -> dict:
+    """A schema no server has seen: the benchmark's with one property renamed."""
+    props = dict(STRUCTURED_SCHEMA["properties"])
+    props[f"title_{n}"] = props.pop("title")
+    return {**STRUCTURED_SCHEMA, "properties": props, "required": [f"title_{n}", "words"]}
+
+
+async def run_level(url, prompts, concurrency, output_len, temperature=0.0, top_p=1.0, schema=None):
+    """One level against Tritone's ensemble over gRPC streaming (every request constrained to
+    `schema`, when given)."""
     client = grpcaio.InferenceServerClient(url)
 
     async def one(prompt):
-        inputs = infer_inputs(grpcaio, (("text_input", np.array([[prompt.encode()]], dtype=object)),
-                                        ("max_tokens", np.array([[output_len]], dtype=np.int32)),
-                                        ("end_id", np.array([[-1]], dtype=np.int32)),
-                                        ("temperature", np.array([[temperature]], dtype=np.float32)),
-                                        ("top_p", np.array([[top_p]], dtype=np.float32)),
-                                        ("stream", np.array([[True]])),
-                                        ("apply_chat_template", np.array([[False]]))))
+        tensors = [("text_input", np.array([[prompt.encode()]], dtype=object)),
+                   ("max_tokens", np.array([[output_len]], dtype=np.int32)),
+                   ("end_id", np.array([[-1]], dtype=np.int32)),
+                   ("temperature", np.array([[temperature]], dtype=np.float32)),
+                   ("top_p", np.array([[top_p]], dtype=np.float32)),
+                   ("stream", np.array([[True]])),
+                   ("apply_chat_template", np.array([[False]]))]
+        if schema is not None:
+            tensors += [("guided_decoding_guide_type", np.array([[b"json_schema"]], dtype=object)),
+                        ("guided_decoding_guide", np.array([[json.dumps(schema).encode()]], dtype=object))]
+        inputs = infer_inputs(grpcaio, tensors)
 
         async def requests():
             yield {"model_name": "ensemble", "inputs": inputs}
@@ -132,7 +155,8 @@ async def run_level(url, prompts, concurrency, output_len, temperature=0.0, top_
         await client.close()
 
 
-async def run_peer_level(server, prompts, concurrency, output_len, prompt_len, temperature=0.0, top_p=1.0):
+async def run_peer_level(server, prompts, concurrency, output_len, prompt_len, temperature=0.0, top_p=1.0,
+                         schema=None):
     """One level against the peer's /v1/completions stream."""
     # No connection limit but the level's own concurrency; a generous timeout, as a request at
     # high concurrency on two cores takes minutes.
@@ -140,7 +164,8 @@ async def run_peer_level(server, prompts, concurrency, output_len, prompt_len, t
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=3600)) as session:
         async def one(prompt):
             start, arrivals, num_prompt_tokens = await peer_vllm.stream_completion(
-                session, server.url, server.model_name, prompt, output_len, temperature, top_p)
+                session, server.url, server.model_name, prompt, output_len, temperature, top_p,
+                {"structured_outputs": {"json": schema}} if schema is not None else None)
             if num_prompt_tokens != prompt_len:
                 raise RuntimeError(f"vLLM counted {num_prompt_tokens} prompt tokens, not {prompt_len}")
             return start, arrivals
@@ -189,6 +214,9 @@ def parse_args(argv):
                    help="the peer engine's OpenMP threads (default 0: as many as Tritone's engine gets, "
                         "every core by default)")
     p.add_argument("--peer-args", default="", help="extra `vllm serve` options, quoted")
+    p.add_argument("--structured", choices=["json-schema"],
+                   help="also run each level with every request constrained to a JSON schema, and time the "
+                        "first token of a new schema against a cached one")
     p.add_argument("--json", help="write the results here")
     return p.parse_args(argv)
 
@@ -203,7 +231,8 @@ def main(argv=None) -> int:
     prompts = make_prompts(tokenizer, max(n_max * 2, 8), args.prompt_len)
     prompts_ids = [tokenizer(t, add_special_tokens=False).input_ids for t in prompts]
     assert all(len(i) == args.prompt_len for i in prompts_ids), "prompt length drifted on re-tokenization"
-    results = {"config": vars(args), "tritone": {}, "peer": {}, "hf_generate": {}}
+    results = {"config": vars(args), "tritone": {}, "peer": {}, "hf_generate": {}, "tritone_structured": {},
+               "peer_structured": {}}
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     results["tritone_dtype"] = str(dtype).removeprefix("torch.")
@@ -257,8 +286,30 @@ def run_tritone(args, model_dir, prompts, results):
             level["step_ms"] = step_breakdown(before, after)
             results["tritone"][c] = level
             print(level_line("Tritone", c, level, format_breakdown(level["step_ms"])), flush=True)
+            if args.structured:
+                metrics.wait_idle()
+                cpu = tree.cpu_seconds()
+                level = asyncio.run(run_level(url, level_requests(args, prompts, c), c, args.output_len,
+                                              args.temperature, args.top_p, STRUCTURED_SCHEMA))
+                level["cpu_ms_per_token"] = per_token_ms(cpu, tree.cpu_seconds(), level["num_output_tokens"])
+                results["tritone_structured"][c] = level
+                print(level_line("Tritone, JSON schema", c, level), flush=True)
+        if args.structured:
+            results["schema_ttft"] = asyncio.run(schema_ttft(
+                lambda prompt, schema: run_level(url, [prompt], 1, 4, schema=schema), prompts))
+            print(f"Tritone first token, new schema / cached: {results['schema_ttft']}", flush=True)
     finally:
         server.stop()
+
+
+async def schema_ttft(run, prompts, tries: int = 3) -> dict:
+    """Mean time to first token, alone, of a schema never seen before and of the same one again."""
+    new, cached = [], []
+    for i in range(tries):
+        schema = schema_variant(int(time.time() * 1000) + i)
+        new.append((await run(prompts[i], schema))["ttft_mean"])
+        cached.append((await run(prompts[i + tries], schema))["ttft_mean"])
+    return {"new_schema_ttft_s": statistics.mean(new), "cached_schema_ttft_s": statistics.mean(cached)}
 
 
 def level_line(stack: str, concurrency: int, level: dict, steps: str = "") -> str:
@@ -296,6 +347,17 @@ def run_peer(args, python, model_dir, prompts, results):
             level["cpu_ms_per_token"] = per_token_ms(cpu, tree.cpu_seconds(), level["num_output_tokens"])
             results["peer"][c] = level
             print(level_line("vLLM", c, level), flush=True)
+            if args.structured:
+                cpu = tree.cpu_seconds()
+                level = asyncio.run(run_peer_level(server, level_requests(args, prompts, c), c, args.output_len,
+                                                   args.prompt_len, args.temperature, args.top_p, STRUCTURED_SCHEMA))
+                level["cpu_ms_per_token"] = per_token_ms(cpu, tree.cpu_seconds(), level["num_output_tokens"])
+                results["peer_structured"][c] = level
+                print(level_line("vLLM, JSON schema", c, level), flush=True)
+        if args.structured:
+            results["peer_schema_ttft"] = asyncio.run(schema_ttft(
+                lambda prompt, schema: run_peer_level(server, [prompt], 1, 4, args.prompt_len, schema=schema), prompts))
+            print(f"vLLM first token, new schema / cached: {results['peer_schema_ttft']}", flush=True)
     finally:
         server.stop()
 
@@ -335,12 +397,35 @@ def print_report(results, args):
         print("tokens per streamed response, Tritone/vLLM: " + ", ".join(
             f"c={c} {tr[c]['tokens_per_response']:.2f}/{peer[c]['tokens_per_response']:.2f}" for c in tr if c in peer))
     print_cpu_per_token(results)
+    print_structured(results)
     if 32 in hf:
         for c in (32, 128):
             if c in tr:
                 print(f"concurrency {c} / HF batch 32: {tr[c]['output_tokens_per_s'] / hf[32]['output_tokens_per_s']:.2f}x")
     if 1 in hf and 1 in tr:
         print(f"ITL at concurrency 1: {1000 * tr[1]['itl_mean']:.1f} ms vs HF batch 1 {1000 * hf[1]['itl_mean']:.1f} ms")
+
+
+def print_structured(results):
+    """Constrained against free tok/s per stack and level, and the first token of a new schema."""
+    rows = [(name, c, results[free][c], r) for name, free, key in (("Tritone", "tritone", "tritone_structured"),
+                                                                    ("vLLM CPU", "peer", "peer_structured"))
+            for c, r in results.get(key, {}).items() if c in results[free]]
+    if not rows:
+        return
+    print("\nEvery request constrained to one JSON schema, against the same run free")
+    print("| stack | concurrency | free tok/s | JSON schema tok/s | schema/free | first token, new schema (s) "
+          "| first token, cached schema (s) |")
+    print("|---|---|---|---|---|---|---|")
+    for name, c, free, constrained in rows:
+        ttft = results.get("schema_ttft" if name == "Tritone" else "peer_schema_ttft", {})
+        print(f"| {name} | {c} | {free['output_tokens_per_s']:.1f} | {constrained['output_tokens_per_s']:.1f} "
+              f"| {constrained['output_tokens_per_s'] / free['output_tokens_per_s']:.2f}x "
+              f"| {ttft.get('new_schema_ttft_s', float('nan')):.3f} | {ttft.get('cached_schema_ttft_s', float('nan')):.3f} |")
+    tr, peer = results.get("tritone_structured", {}), results.get("peer_structured", {})
+    for c in tr:
+        if c in peer:
+            print(f"JSON schema, concurrency {c}: Tritone/vLLM {tr[c]['output_tokens_per_s'] / peer[c]['output_tokens_per_s']:.2f}x")
 
 
 def print_cpu_per_token(results):

@@ -211,7 +211,7 @@ class VllmServer:
 
 
 async def stream_completion(session, url: str, model: str, prompt: str, output_len: int, temperature: float = 0.0,
-                            top_p: float = 1.0) -> tuple[float, list[tuple[float, int]], int]:
+                            top_p: float = 1.0, extra: dict | None = None) -> tuple[float, list[tuple[float, int]], int]:
     """One streamed /v1/completions request with end of sequence ignored: its start time, and the
     arrival time and output-token count so far of each chunk that carried tokens; and its prompt
     token count.
@@ -222,7 +222,7 @@ async def stream_completion(session, url: str, model: str, prompt: str, output_l
     """
     body = {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
             "ignore_eos": True, "temperature": temperature, "top_p": top_p, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **(extra or {})}
     arrivals, num_tokens, num_prompt_tokens = [], 0, 0
     start = time.perf_counter()
     async with session.post(f"{url}/v1/completions", json=body) as resp:
