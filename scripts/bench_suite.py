@@ -15,11 +15,11 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import platform
-import re
 import sys
 import tempfile
 import time
+
+from tritone_client.machine import machine
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # benchmark.py, perf_analyzer.py beside it
 
@@ -219,14 +219,6 @@ def refresh_readme(readme: pathlib.Path, results: dict, out_dir: pathlib.Path) -
             f"{results['wall_s'] / 60:.1f} minutes in all:\n\n{markdown(results)}\n![ablation]({image})\n{README_END}")
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
     readme.write_text(text[:start] + body + text[end:])
-
-
-def machine() -> dict:
-    import os
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")),
-               platform.processor())
-    return {"cores": os.cpu_count(), "cpu": re.sub(r"\s+", " ", cpu)}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -42,9 +42,11 @@ from tritone.launcher import Server, build_parser, free_port
 from tritone.models import resolve_model
 from tritone_client import infer_inputs
 from tritone_client.load import STEP_PHASES, ServerMetrics, format_breakdown, step_breakdown
+from tritone_client.machine import machine
 from tritone_client.proc_cpu import ProcessTree, format_per_token, per_token_ms
 
 import peer_vllm
+from render_docs import structured_table
 
 
 def make_prompts(tokenizer, num: int, length: int, seed: int = 0) -> list[str]:
@@ -231,8 +233,8 @@ def main(argv=None) -> int:
     prompts = make_prompts(tokenizer, max(n_max * 2, 8), args.prompt_len)
     prompts_ids = [tokenizer(t, add_special_tokens=False).input_ids for t in prompts]
     assert all(len(i) == args.prompt_len for i in prompts_ids), "prompt length drifted on re-tokenization"
-    results = {"config": vars(args), "tritone": {}, "peer": {}, "hf_generate": {}, "tritone_structured": {},
-               "peer_structured": {}}
+    results = {"config": vars(args), "machine": machine(), "tritone": {}, "peer": {}, "hf_generate": {},
+               "tritone_structured": {}, "peer_structured": {}}
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     results["tritone_dtype"] = str(dtype).removeprefix("torch.")
@@ -407,25 +409,9 @@ def print_report(results, args):
 
 
 def print_structured(results):
-    """Constrained against free tok/s per stack and level, and the first token of a new schema."""
-    rows = [(name, c, results[free][c], r) for name, free, key in (("Tritone", "tritone", "tritone_structured"),
-                                                                    ("vLLM CPU", "peer", "peer_structured"))
-            for c, r in results.get(key, {}).items() if c in results[free]]
-    if not rows:
-        return
-    print("\nEvery request constrained to one JSON schema, against the same run free")
-    print("| stack | concurrency | free tok/s | JSON schema tok/s | schema/free | first token, new schema (s) "
-          "| first token, cached schema (s) |")
-    print("|---|---|---|---|---|---|---|")
-    for name, c, free, constrained in rows:
-        ttft = results.get("schema_ttft" if name == "Tritone" else "peer_schema_ttft", {})
-        print(f"| {name} | {c} | {free['output_tokens_per_s']:.1f} | {constrained['output_tokens_per_s']:.1f} "
-              f"| {constrained['output_tokens_per_s'] / free['output_tokens_per_s']:.2f}x "
-              f"| {ttft.get('new_schema_ttft_s', float('nan')):.3f} | {ttft.get('cached_schema_ttft_s', float('nan')):.3f} |")
-    tr, peer = results.get("tritone_structured", {}), results.get("peer_structured", {})
-    for c in tr:
-        if c in peer:
-            print(f"JSON schema, concurrency {c}: Tritone/vLLM {tr[c]['output_tokens_per_s'] / peer[c]['output_tokens_per_s']:.2f}x")
+    if results.get("tritone_structured") or results.get("peer_structured"):
+        print("\nEvery request constrained to one JSON schema, against the same run free")
+        print(structured_table(results))
 
 
 def print_cpu_per_token(results):
