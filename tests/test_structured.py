@@ -220,3 +220,13 @@ def test_a_tool_call_round_trip_on_a_qwen_template_model(qwen_srv, stream):
     final = client.chat.completions.create(model=model, messages=messages, tools=tools, max_tokens=8,
                                            temperature=0)
     assert final.choices[0].finish_reason in ("stop", "length", "tool_calls")
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http"])
+def test_tritone_client_constrains_from_the_command_line(srv, capsys, protocol):
+    from tritone_client.cli import main
+
+    port = srv.args.grpc_port if protocol == "grpc" else srv.args.http_port
+    assert main(["generate", "--url", f"127.0.0.1:{port}", "--protocol", protocol, "--max-tokens", "32",
+                 "--regex", PHONE, "Your phone number:"]) == 0
+    assert re.fullmatch(PHONE, capsys.readouterr().out.strip())
