@@ -92,6 +92,7 @@ def build_8b_shaped(path: pathlib.Path) -> None:
 def step_times(model_dir: pathlib.Path, batches: list[int], context: int) -> dict[str, dict[int, float]]:
     from tritone.config import EngineConfig
     from tritone.executor import ModelRunner
+    from tritone.executor.step import StepInput
 
     runner = ModelRunner(EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", kv_cache_fraction=0.5,
                                       max_num_seqs=max(batches)))
@@ -103,16 +104,16 @@ def step_times(model_dir: pathlib.Path, batches: list[int], context: int) -> dic
         bs = runner.block_size
         blocks = -(-context // bs)
         tables = (np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks) % runner.num_blocks)
-        args = (np.zeros(batch, np.int64), np.full(batch, context - 1, np.int64),
-                np.full(batch, runner.spare_slot, np.int64), tables, np.arange(batch + 1, dtype=np.int32),
-                np.full(batch, context, np.int32), np.arange(batch), batch)
+        step = StepInput(np.zeros(batch, np.int64), np.full(batch, context - 1, np.int64),
+                         np.full(batch, runner.spare_slot, np.int64), tables, np.arange(batch + 1, dtype=np.int32),
+                         np.full(batch, context, np.int32), np.arange(batch), batch)
         for mode in ("graphs", "eager") if graphs else ("eager",):
             runner.graphs = graphs if mode == "graphs" else None
-            runner._forward(*args)
+            runner._forward(step)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             for _ in range(10):
-                runner._forward(*args)
+                runner._forward(step)
             torch.cuda.synchronize()
             times[mode][batch] = (time.perf_counter() - t0) / 10
             print(f"decode step, batch {batch}, context {context}, {mode}: {1000 * times[mode][batch]:.2f} ms "

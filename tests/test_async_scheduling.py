@@ -52,10 +52,9 @@ class FakeDevice:
         engine.scheduler.schedule = counting_schedule
 
     def execute(self, model_input, greedy=False, prev=None):
-        ids, positions, _, _, query_start, _, logits_indices, _ = model_input
-        ids = ids.copy()
+        ids, positions, logits_indices = model_input.ids.copy(), model_input.positions, model_input.logits_indices
         if prev is not None:
-            ids[prev[2]] = prev[0].numpy()[prev[1]]
+            ids[prev.dst] = prev.token_ids.numpy()[prev.src]
         assert not (ids == PENDING_TOKEN).any(), "a placeholder reached the device"
         last, pos = ids[logits_indices], positions[logits_indices]
         if greedy:

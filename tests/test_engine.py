@@ -88,7 +88,7 @@ def test_persistent_block_tables_follow_the_requests_blocks(model_dir, prompt_id
 
     def checking_prepare(batch, sample_rows):
         model_input = prepare(batch, sample_rows)
-        tables, seq_lens = model_input[3], model_input[5]
+        tables, seq_lens = model_input.tables, model_input.seq_lens
         for i, item in enumerate(batch.scheduled):
             n = -(-int(seq_lens[i]) // 4)
             assert tables[i, :n].tolist() == item.request.block_ids[:n]

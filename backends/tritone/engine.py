@@ -18,6 +18,7 @@ from transformers import GenerationConfig
 from tritone.block_manager import BlockManager
 from tritone.config import EngineConfig
 from tritone.executor import ModelRunner
+from tritone.executor.step import PendingTokens
 from tritone.grammar import Grammars
 from tritone.request import PENDING_TOKEN, FinishReason, Request, RequestOutput, SamplingParams
 from tritone.sampler import Sampler, needs_logits
@@ -221,7 +222,7 @@ class LLMEngine:
                        if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         t1 = time.perf_counter()
         model_input = self.runner.prepare(batch, sample_rows)
-        prev = self._pending_inputs(batch, model_input[4]) if self._in_flight is not None else None
+        prev = self._pending_inputs(batch, model_input.query_start) if self._in_flight is not None else None
         t2 = time.perf_counter()
         sample_requests = [batch.scheduled[i].request for i in sample_rows]
         greedy = bool(sample_requests) and not needs_logits(sample_requests)
@@ -252,9 +253,9 @@ class LLMEngine:
         return _InFlight(handle, batch.scheduled, sample_requests, indices,
                          {id(r): row for row, r in enumerate(sample_requests)})
 
-    def _pending_inputs(self, batch, query_start) -> tuple | None:
-        """(the step in flight's sampled ids, their rows there, the rows of this step's input ids
-        they fill): for each request whose last token is still on the device and is an input now."""
+    def _pending_inputs(self, batch, query_start) -> PendingTokens | None:
+        """The step in flight's sampled tokens that are inputs of this step: for each request whose
+        last token is still on the device."""
         row_of = self._in_flight.row_of
         src, dst = [], []
         for i, item in enumerate(batch.scheduled):
@@ -269,7 +270,8 @@ class LLMEngine:
                 dst.append(int(query_start[i]) + position - start)
         if not src:
             return None
-        return self._in_flight.handle.token_ids, np.asarray(src, dtype=np.int64), np.asarray(dst, dtype=np.int64)
+        return PendingTokens(self._in_flight.handle.token_ids, np.asarray(src, dtype=np.int64),
+                             np.asarray(dst, dtype=np.int64))
 
     def _collect(self, launched: "_InFlight") -> list[RequestOutput]:
         """Waits for a launched step's tokens and applies them: the one loop over a step's

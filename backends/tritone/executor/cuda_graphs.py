@@ -82,7 +82,7 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-            seq_lens: np.ndarray, prev: tuple | None = None) -> torch.Tensor:
+            seq_lens: np.ndarray, prev=None) -> torch.Tensor:
         """Logits [n, vocab] of a step of n decodes (one token per sequence); valid until the
         next call, which may overwrite them. `prev` as ModelRunner.execute's."""
         n = len(ids)
@@ -95,7 +95,7 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(host(seq_lens), non_blocking=True)
         if prev is not None:
             device = self.ids.device
-            self.ids[host(prev[2]).to(device)] = prev[0][host(prev[1]).to(device)]
+            self.ids[host(prev.dst).to(device)] = prev.token_ids[host(prev.src).to(device)]
         if size > n:
             self.ids[n:size] = 0
             self.positions[n:size] = 0

@@ -20,6 +20,7 @@ from tritone.config import EngineConfig
 from tritone.executor import attention, block_table, compiler, cuda_graphs, gemm, hardware, llama, native
 from tritone.executor.kernels import argmax_rows
 from tritone.executor.loader import load_weights
+from tritone.executor.step import PendingTokens, StepInput
 from tritone.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
@@ -192,7 +193,7 @@ class ModelRunner:
         compiling; a failure falls back to eager with one log line."""
         try:
             for num_tokens, num_seqs in ((16, 2), (3, 3), (64, 1)):
-                self._forward(*self._dummy_batch(num_tokens, num_seqs))
+                self._forward(self._dummy_batch(num_tokens, num_seqs))
             return True
         except Exception as exc:  # any compiler fault: the eager model still serves
             cause = exc
@@ -203,7 +204,7 @@ class ModelRunner:
                            " / ".join(lines[:3])[:500])
             return False
 
-    def _dummy_batch(self, num_tokens: int, num_seqs: int):
+    def _dummy_batch(self, num_tokens: int, num_seqs: int) -> StepInput:
         """num_seqs sequences sharing num_tokens query tokens, over block 0, writing nowhere."""
         q_lens = np.full(num_seqs, num_tokens // num_seqs)
         q_lens[-1] += num_tokens - q_lens.sum()
@@ -216,9 +217,9 @@ class ModelRunner:
         ids = np.zeros(num_tokens, dtype=np.int64)
         positions = np.concatenate([np.arange(n) for n in q_lens]).astype(np.int64)
         slots = np.full(num_tokens, self.spare_slot, dtype=np.int64)
-        return ids, positions, slots, tables, query_start, seq_lens, query_start[1:] - 1, 0
+        return StepInput(ids, positions, slots, tables, query_start, seq_lens, query_start[1:] - 1, 0)
 
-    def prepare(self, batch: SchedulerOutput, sample_rows: list[int]) -> tuple:
+    def prepare(self, batch: SchedulerOutput, sample_rows: list[int]) -> StepInput:
         """The model's inputs for the scheduled tokens, as arrays, for `execute`."""
         scheduled = batch.scheduled
         num_seqs = len(scheduled)
@@ -246,32 +247,31 @@ class ModelRunner:
         positions = np.arange(num_tokens) - query_start[seq_of_token] + starts[seq_of_token]
         slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
         logits_indices = query_start[1:][sample_rows] - 1
-        return (np.asarray(ids, dtype=np.int64), positions, slots, tables, query_start.astype(np.int32),
-                seq_lens.astype(np.int32), logits_indices, num_decodes)
+        return StepInput(np.asarray(ids, dtype=np.int64), positions, slots, tables, query_start.astype(np.int32),
+                         seq_lens.astype(np.int32), logits_indices, num_decodes)
 
-    def execute(self, model_input: tuple, greedy: bool = False, prev: tuple | None = None) -> torch.Tensor:
+    def execute(self, step: StepInput, greedy: bool = False, prev: PendingTokens | None = None) -> torch.Tensor:
         """Computes the scheduled tokens; returns logits [len(sample_rows), vocab] float32 at the
         last scheduled token of each request `batch.scheduled[i]` for i in sample_rows, or where
         `greedy`, those rows' greedy tokens [len(sample_rows)] int64 (the native forward then
-        never writes the logits). `prev`: (a step's sampled ids on the device, rows of them,
-        rows of this step's input ids they fill), for tokens the host has not seen yet."""
-        if prev is not None:
-            model_input = model_input + (prev,)
+        never writes the logits). `prev`: the input tokens the host has not seen yet."""
         if greedy and self.native is not None:
-            return self._forward(*model_input, greedy=True)
-        logits = self._forward(*model_input)
+            return self._forward(step, prev, greedy=True)
+        logits = self._forward(step, prev)
         return argmax_rows(logits) if greedy else logits
 
     def finish_step(self, token_ids: torch.Tensor, log_probs: torch.Tensor | None, num_rows: int) -> "StepHandle":
         return StepHandle(token_ids, log_probs, num_rows)
 
     @torch.inference_mode()
-    def _forward(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices,
-                 num_decodes, prev=None, greedy: bool = False) -> torch.Tensor:
+    def _forward(self, step: StepInput, prev: PendingTokens | None = None, greedy: bool = False) -> torch.Tensor:
+        ids, positions, slots, tables = step.ids, step.positions, step.slots, step.tables
+        query_start, seq_lens, logits_indices, num_decodes = step.query_start, step.seq_lens, step.logits_indices, \
+            step.num_decodes
         if self.native is not None:
             if prev is not None:
                 ids = ids.copy()
-                ids[prev[2]] = prev[0].cpu().numpy()[prev[1]]
+                ids[prev.dst] = prev.token_ids.cpu().numpy()[prev.src]
             return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices, greedy)
         if self.graphs is not None and self.graphs.fits(len(seq_lens), num_decodes, tables.shape[1]):
             logits = self.graphs.run(ids, positions, slots, tables, seq_lens, prev)
@@ -286,6 +286,6 @@ class ModelRunner:
             max_seq_len=int(seq_lens.max()))
         input_ids, pos, rows = to(ids), to(positions), to(logits_indices)
         if prev is not None:
-            input_ids[to(prev[2])] = prev[0][to(prev[1])]
+            input_ids[to(prev.dst)] = prev.token_ids[to(prev.src)]
         with attention.forward_context(self.kv_caches, meta, self.attention):
             return self.model(input_ids, pos, rows)
