@@ -6,6 +6,7 @@ measured dtype; the default model in bf16 against Hugging Face bf16."""
 from __future__ import annotations
 
 import contextlib
+import functools
 import json
 import os
 import subprocess
@@ -158,8 +159,15 @@ def test_failed_compile_falls_back_to_eager(tmp_path, monkeypatch):
     assert got == [hf_greedy(hf, p) for p in ids]
 
 
+def quiet_machine(monkeypatch, share=0.0):
+    """Other processes' CPU during a measurement, as hardware.others_share would report it."""
+    monkeypatch.setattr(hardware, "others_share", lambda measure: (measure(), share))
+    monkeypatch.setattr(hardware, "uncontended", functools.partial(hardware.uncontended, patience_s=0))
+
+
 def test_dtype_is_measured_once_and_cached(tmp_path, monkeypatch):
     monkeypatch.setenv("TRITONE_CACHE", str(tmp_path))
+    quiet_machine(monkeypatch)
     calls = []
     real = hardware.measure_gemm_gflops
     monkeypatch.setattr(hardware, "measure_gemm_gflops", lambda dtype: calls.append(dtype) or real(dtype, 0.02))
@@ -275,7 +283,39 @@ def test_native_gemm_argmax_is_the_argmax_of_the_product(rows, k, n):
     assert kernels.gemm_f32_argmax(x, kernels.pack_f32(weight), n).tolist() == [40] * rows
 
 
+def test_a_contended_measurement_is_retried_and_never_cached(tmp_path, monkeypatch):
+    monkeypatch.setenv("TRITONE_CACHE", str(tmp_path))
+    quiet_machine(monkeypatch, share=0.6)
+    calls = []
+    real = hardware.measure_gemm_gflops
+    monkeypatch.setattr(hardware, "measure_gemm_gflops", lambda dtype: calls.append(dtype) or real(dtype, 0.02))
+    assert hardware.fastest_cpu_dtype() in (torch.float32, torch.bfloat16)
+    assert len(calls) == 6  # three attempts of both dtypes
+    assert not list((tmp_path / "hardware").glob("cpu-*.json"))
+    monkeypatch.setattr(gemm, "_COLD_BYTES", 1 << 20)
+    path = tmp_path / "linear.json"
+    gemm.choose({(64, 96)}, torch.float32, path)
+    assert json.loads(path.read_text()) == {}  # the next start measures again
+    quiet_machine(monkeypatch)
+    assert hardware.fastest_cpu_dtype() and len(calls) == 8
+    gemm.choose({(64, 96)}, torch.float32, path)
+    assert list(json.loads(path.read_text()).values())[0].keys() == {"64x96"}
+
+
+def test_others_share_sees_a_busy_neighbour():
+    spin = "import time\nend = time.perf_counter() + 1.5\nwhile time.perf_counter() < end: pass"
+    spinner = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)
+        _, busy = hardware.others_share(lambda: time.sleep(0.5))
+    finally:
+        spinner.wait()
+    _, idle = hardware.others_share(lambda: time.sleep(0.5))
+    assert busy > hardware.CONTENDED_SHARE > idle
+
+
 def test_gemm_choice_is_measured_once_and_cached(tmp_path, monkeypatch):
+    quiet_machine(monkeypatch)
     calls = []
     real = gemm.measure
     monkeypatch.setattr(gemm, "measure", lambda k, n, dtype: calls.append((k, n)) or real(k, n, dtype))

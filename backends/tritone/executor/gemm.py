@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tritone.executor import kernels
+from tritone.executor import hardware, kernels
 
 logger = logging.getLogger(__name__)
 
@@ -145,22 +145,26 @@ def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path) -> dict
         cached = json.loads(cache_path.read_text())
     except (OSError, ValueError):
         cached = {}
-    table = cached.get(key, {})
-    measured = False
+    table = dict(cached.get(key, {}))
+    measured = contended = False
     for k, n in sorted(shapes):
         name = f"{k}x{n}"
         if name not in table:
-            table[name] = measure(k, n, dtype)
+            table[name], quiet = hardware.uncontended(lambda: measure(k, n, dtype), f"GEMM {name} ({dtype})")
             measured = True
+            if quiet:  # only what was measured on a quiet machine sticks
+                cached.setdefault(key, {})[name] = table[name]
+            contended |= not quiet
     if measured:
-        cached[key] = table
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         cache_path.write_text(json.dumps(cached, indent=1))
     choice = {}
     for k, n in shapes:
         times = table[f"{k}x{n}"]
         choice[(k, n)] = tuple(min(times, key=lambda kernel: times[kernel][rows]) for rows in ("1", str(_BATCH_ROWS)))
-    logger.info("GEMMs (%s; one row / %d rows): %s", "measured" if measured else "cached", _BATCH_ROWS,
+    logger.info("GEMMs (%s; one row / %d rows): %s",
+                "measured, partly under contention (not cached)" if contended else "measured" if measured else "cached",
+                _BATCH_ROWS,
                 ", ".join(f"{k}x{n} {single}/{batch} "
                           f"({_gflops(k, n, 1, table[f'{k}x{n}'][single]['1'])}/"
                           f"{_gflops(k, n, _BATCH_ROWS, table[f'{k}x{n}'][batch][str(_BATCH_ROWS)])} GFLOP/s)"

@@ -1,20 +1,25 @@
 """Hardware facts the executor needs, measured rather than guessed from flags: which device,
 and which dtype runs this machine's matrix products faster. A measurement takes a fraction of a
-second; its answer is cached per CPU, torch version and thread count, and logged."""
+second; its answer is cached per CPU, torch version and thread count, and logged. A measurement
+taken while other processes held the CPU (a server's first start, where the other models import
+their libraries on the same cores) is taken again, and never cached if it stays contended."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import logging
+import os
 import pathlib
 import platform
 import time
+from typing import Callable, TypeVar
 
 import torch
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # GEMM shapes of a small model's decode step at a moderate batch (rows x in x out): the sizes
 # where serving spends its time, not the large squares where every dtype looks good.
@@ -54,16 +59,67 @@ def facts_path(name: str) -> pathlib.Path:
     return cache_root() / "hardware" / f"{name}-{_cpu_key()}.json"
 
 
+# Others' share of the machine's CPU over a measurement above which it is not trusted: a server's
+# own idle processes and the kernel stay well under it, a neighbour importing torch is far above.
+CONTENDED_SHARE = 0.15
+
+
+def _machine_busy_seconds() -> float:
+    """CPU seconds every process of the machine has run (all CPUs, /proc/stat)."""
+    with open("/proc/stat") as f:
+        fields = [int(v) for v in f.readline().split()[1:]]
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle and iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def others_share(measure: Callable[[], T]) -> tuple[T, float]:
+    """`measure()`, and the share of the machine's CPU that other processes took meanwhile."""
+    try:
+        busy0, own0, t0 = _machine_busy_seconds(), time.process_time(), time.perf_counter()
+    except (OSError, ValueError, IndexError):  # no /proc: nothing to tell
+        return measure(), 0.0
+    result = measure()
+    wall = time.perf_counter() - t0
+    others = (_machine_busy_seconds() - busy0) - (time.process_time() - own0)
+    return result, max(0.0, others) / max(wall * (os.cpu_count() or 1), 1e-9)
+
+
+_patience_ends: float | None = None
+
+
+def uncontended(measure: Callable[[], T], what: str, attempts: int = 3, patience_s: float = 30.0) -> tuple[T, bool]:
+    """`measure()` taken while other processes leave the CPU alone, and whether it was. Before each
+    of `attempts` tries it waits, up to `patience_s` in all, for a quiet moment; a contended answer
+    serves this run, but the caller must not cache it."""
+    global _patience_ends
+    now = time.perf_counter()
+    if _patience_ends is None:  # one patience per process, shared by all its measurements
+        _patience_ends = now + patience_s
+    deadline = min(_patience_ends, now + patience_s)
+    for attempt in range(attempts):
+        while time.perf_counter() < deadline and others_share(lambda: time.sleep(0.25))[1] > CONTENDED_SHARE:
+            pass
+        result, share = others_share(measure)
+        if share <= CONTENDED_SHARE:
+            return result, True
+        logger.info("%s measured while other processes took %.0f%% of the CPU%s", what, 100 * share,
+                    "; measuring again" if attempt + 1 < attempts else ": used for this run, not cached")
+    return result, False
+
+
 def fastest_cpu_dtype() -> torch.dtype:
     path = facts_path("cpu")
     try:
         facts = json.loads(path.read_text())
         source = "cached"
     except (OSError, ValueError):
-        facts = {"gemm_gflops": {name: measure_gemm_gflops(DTYPES[name]) for name in ("float32", "bfloat16")}}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(facts))
-        source = "measured"
+        gflops, quiet = uncontended(lambda: {name: measure_gemm_gflops(DTYPES[name]) for name in ("float32", "bfloat16")},
+                                    "GEMM throughput per dtype")
+        facts = {"gemm_gflops": gflops}
+        if quiet:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(facts))
+        source = "measured" if quiet else "measured under contention, not cached"
     gflops = facts["gemm_gflops"]
     best = max(gflops, key=gflops.get)
     logger.info("CPU dtype %s (%s: GEMM GFLOP/s %s, %d threads)", best, source,
