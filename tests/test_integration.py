@@ -1,6 +1,7 @@
 """Against a real tritonserver serving the real model repository and default model."""
 
 import json
+import pathlib
 import re
 import time
 import urllib.error
@@ -168,6 +169,25 @@ def metric_values(server):
             if (phase := re.search(r'phase="(\w+)"', name)) is not None:
                 values[f"phase:{phase.group(1)}"] = float(value)
     return values
+
+
+def test_tritonserver_and_its_model_processes_run_on_the_preloaded_allocator(server):
+    # --malloc auto, the default, finds mimalloc in Tritone's own environment.
+    tritonserver = server.process.pid
+    children = [int(stat.parent.name) for stat in pathlib.Path("/proc").glob("[0-9]*/stat")
+                if _parent(stat) == tritonserver]
+    assert len(children) >= 4  # preprocessing x2, llm, postprocessing
+    for pid in (tritonserver, *children):
+        assert "libmimalloc" in pathlib.Path(f"/proc/{pid}/maps").read_text(), pid
+    log = (server.run_dir / "server.log").read_text()
+    assert "tritonserver and its model processes allocate with" in log and "libmimalloc" in log
+
+
+def _parent(stat: pathlib.Path) -> int | None:
+    try:
+        return int(stat.read_text().rsplit(")", 1)[1].split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
 
 
 def test_engine_metrics_are_served_and_the_cache_is_idle_after_requests(server, grpc):

@@ -83,6 +83,47 @@ def find_tritonserver() -> TritonInstall:
     return TritonInstall(wheel / "bin" / "tritonserver", backend_dir, env)
 
 
+# tritonserver spends about a fifth of its CPU in the C library's malloc and free under streaming
+# load (three messages per streamed token, each allocated, copied and freed across threads); any
+# of these allocators takes that to a few percent, and 15-20% off the text path's CPU per token
+# (docs/performance.md). mimalloc comes with Tritone's dependencies; the others where the system
+# has them (NVIDIA's container ships jemalloc and tcmalloc).
+MALLOC_LIBRARIES = {"mimalloc": ("mimalloc",), "jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc_minimal", "tcmalloc")}
+
+
+def find_malloc(choice: str) -> str | None:
+    """The allocator library to preload for `--malloc choice` (None: the C library's)."""
+    if choice == "system":
+        return None
+    if choice not in ("auto", *MALLOC_LIBRARIES):
+        if not pathlib.Path(choice).is_file():
+            raise ValueError(f"--malloc {choice}: no such file (auto, system, {', '.join(MALLOC_LIBRARIES)} "
+                             "or a library's path)")
+        return choice
+    for name in MALLOC_LIBRARIES if choice == "auto" else (choice,):
+        found = _malloc_library(name)
+        if found:
+            return found
+    if choice != "auto":
+        raise ValueError(f"--malloc {choice}: the library is not installed")
+    return None
+
+
+def _malloc_library(name: str) -> str | None:
+    import ctypes.util
+
+    if name == "mimalloc":  # the cmeel-mimalloc wheel, in this environment
+        for site in dict.fromkeys((sysconfig.get_paths()["platlib"], sysconfig.get_paths()["purelib"])):
+            found = sorted(pathlib.Path(site, "cmeel.prefix", "lib").glob("libmimalloc.so.*"))
+            if found:
+                return str(found[0])
+    for soname in MALLOC_LIBRARIES[name]:
+        found = ctypes.util.find_library(soname)
+        if found:
+            return found
+    return None
+
+
 def _link(source: pathlib.Path, target: pathlib.Path) -> None:
     if target.is_symlink() or target.exists():
         if target.resolve() == source.resolve():
@@ -110,20 +151,25 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="scripts/serve", description="Serve a model with Tritone on tritonserver.")
     p.add_argument("--model", help="local Hugging Face causal-LM directory (default: SmolLM2-135M-Instruct, prepared once)")
     p.add_argument("--host", default="127.0.0.1", help="address to bind HTTP and gRPC to (default 127.0.0.1)")
-    p.add_argument("--http-port", type=int, default=8000)
-    p.add_argument("--grpc-port", type=int, default=8001)
-    p.add_argument("--metrics-port", type=int, default=8002)
-    p.add_argument("--preprocessing-instances", type=int, default=2)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="tritonserver's HTTP port (KServe v2, `generate`, `generate_stream`)")
+    p.add_argument("--grpc-port", type=int, default=8001, help="tritonserver's gRPC port")
+    p.add_argument("--metrics-port", type=int, default=8002,
+                   help="tritonserver's Prometheus metrics port (`/metrics`, with the engine's `tritone_*` metrics)")
+    p.add_argument("--preprocessing-instances", type=int, default=2, help="processes of the tokenizer model")
     # One: under the dynamic batcher one instance takes every waiting chunk in one execute, and a
     # second only splits the batches (default model, 2 cores: text path 0.46-0.52 -> 0.41-0.46 ms
     # of CPU per token at concurrency 32 and 128). More where the text path falls behind.
-    p.add_argument("--postprocessing-instances", type=int, default=1)
+    p.add_argument("--postprocessing-instances", type=int, default=1,
+                   help="processes of the detokenizer model (more where the text path falls behind)")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda[:N]")
     p.add_argument("--dtype", default="auto", help="auto, float32, bfloat16 or float16")
     p.add_argument("--kv-cache-bytes", type=int, default=0, help="KV cache budget in bytes (0: a fraction of free memory)")
-    p.add_argument("--kv-cache-fraction", type=float, default=0.25)
-    p.add_argument("--max-num-seqs", type=int, default=256)
-    p.add_argument("--max-num-batched-tokens", type=int, default=512)
+    p.add_argument("--kv-cache-fraction", type=float, default=0.25,
+                   help="share of free memory (GPU) or available RAM (CPU) the KV cache takes when --kv-cache-bytes is 0")
+    p.add_argument("--max-num-seqs", type=int, default=256, help="most requests in the running batch")
+    p.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="tokens computed per step, decodes plus prompt chunks: bounds a step's latency")
     p.add_argument("--max-model-len", type=int, default=0, help="0: the model's own limit")
     p.add_argument("--max-input-len", type=int, default=0, help="longest prompt accepted, in tokens (0: max model len)")
     p.add_argument("--max-input-bytes", type=int, default=1 << 20,
@@ -137,7 +183,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch.compile the model's forward on CPU (auto: where a C++ compiler is present); "
                         "the first start compiles, later starts load the cache")
     p.add_argument("--forward", default="auto", choices=["auto", "native", "torch"],
-                   help="native: Tritone's Llama-family model in one native call per step (fp32 on CPU); "
+                   help="native: Tritone's Llama-family model in one native call per step (CPU: fp32, or bf16 "
+                        "with AVX512-BF16); "
                         "torch: the model's torch modules (compiled per --compile); auto: native where it can run")
     p.add_argument("--attention", default="auto", choices=["auto", "cpu-native", "flash-varlen", "triton", "sdpa"],
                    help="paged attention kernel (auto: the native kernel on CPU; on CUDA the first of flash-varlen "
@@ -151,7 +198,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed response, except the first and the last (default 1: every token); "
                         "larger values send fewer responses, each with more text")
-    p.add_argument("--no-prefix-caching", action="store_true")
+    p.add_argument("--no-prefix-caching", action="store_true",
+                   help="never reuse the KV of a prompt prefix computed for an earlier request")
     p.add_argument("--chat-template", default="auto", choices=["auto", "never"],
                    help="auto: wrap text_input in the model's chat template when it has one")
     p.add_argument("--inline", action="store_true",
@@ -165,7 +213,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="the model's tool-call syntax for tritone-openai (default auto: from the chat template; "
                         "hermes where it names none)")
-    p.add_argument("--log-verbose", type=int, default=0)
+    p.add_argument("--malloc", default="auto",
+                   help="memory allocator of tritonserver and its model processes, preloaded: auto (the first "
+                        "found of mimalloc, jemalloc, tcmalloc; else the C library's), mimalloc, jemalloc, "
+                        "tcmalloc, system (the C library's), or a library's path")
+    p.add_argument("--log-verbose", type=int, default=0, help="tritonserver's --log-verbose level")
     return p
 
 
@@ -246,7 +298,13 @@ class Server:
         values = {**template_values(self.args, self.model_dir), "shutdown_file": str(self.shutdown_file)}
         repository = render_repository(self.run_dir / "model_repository", values, models)
         # Its own session, so that Ctrl-C reaches it once, through us; and it dies with us.
-        self.process = subprocess.Popen(self.command(install, repository), env=install.env, stdout=stdout,
+        env = dict(install.env)
+        malloc = find_malloc(getattr(self.args, "malloc", "auto"))
+        if malloc is not None:
+            env["LD_PRELOAD"] = os.pathsep.join(p for p in (malloc, env.get("LD_PRELOAD", "")) if p)
+        print(f"tritone: tritonserver and its model processes allocate with {malloc or 'the C library'}",
+              file=stdout or sys.stdout, flush=True)
+        self.process = subprocess.Popen(self.command(install, repository), env=env, stdout=stdout,
                                         stderr=subprocess.STDOUT if stdout else None,
                                         start_new_session=True, preexec_fn=_die_with_parent)
         self._start_frontend(stdout)
@@ -491,7 +549,11 @@ def main(argv: list[str] | None = None) -> int:
     args.api_key = args.api_key or os.environ.get("TRITONE_API_KEY")
     server = Server(args)
     started = time.monotonic()
-    server.start()
+    try:
+        server.start()
+    except ValueError as exc:  # an option that cannot be honoured, named in the message
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     # Ctrl-C or SIGTERM: new requests are refused, those in flight finish (up to the exit
     # timeout), then tritonserver exits; a second Ctrl-C cuts the wait short.
     for sig in (signal.SIGINT, signal.SIGTERM):

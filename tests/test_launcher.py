@@ -1,0 +1,34 @@
+"""The launcher's choices that need no server: which allocator tritonserver runs on."""
+
+import pytest
+
+from tritone.launcher import MALLOC_LIBRARIES, find_malloc
+
+
+def test_auto_finds_the_mimalloc_that_comes_with_tritone():
+    assert "libmimalloc.so" in find_malloc("auto")
+    assert find_malloc("mimalloc") == find_malloc("auto")
+
+
+def test_system_preloads_nothing():
+    assert find_malloc("system") is None
+
+
+def test_a_library_by_path_is_taken_as_it_is(tmp_path):
+    library = tmp_path / "libmymalloc.so"
+    library.write_bytes(b"")
+    assert find_malloc(str(library)) == str(library)
+
+
+@pytest.mark.parametrize("choice", ["/no/such/libmalloc.so", "hoard"])
+def test_an_unknown_choice_is_refused_naming_the_flag(choice):
+    with pytest.raises(ValueError, match=r"--malloc .*no such file"):
+        find_malloc(choice)
+
+
+def test_a_named_allocator_that_is_missing_is_refused(monkeypatch):
+    monkeypatch.setattr("tritone.launcher._malloc_library", lambda name: None)
+    for name in MALLOC_LIBRARIES:
+        with pytest.raises(ValueError, match=f"--malloc {name}: the library is not installed"):
+            find_malloc(name)
+    assert find_malloc("auto") is None  # the C library's, where none is found
