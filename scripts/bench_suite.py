@@ -6,7 +6,7 @@ text work weighs most) and the default model, it starts a server with the `ensem
 one with the single-process `llm_inline`, and runs the load generator over the same concurrency
 levels with short (64-token) and long (2,000-token) prompts, reading the engine's forward-busy
 fraction for each level; perf_analyzer runs once against the ensemble. It writes results.json,
-results.md and ablation.png into --out-dir and refreshes the README's performance section.
+results.md and ablation.png into --out-dir and refreshes its section of docs/performance.md.
 Run it with scripts/bench_suite.
 """
 
@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import pathlib
 import sys
 import tempfile
@@ -25,6 +26,8 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # benchmark.py
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 README_BEGIN, README_END = "<!-- bench-suite:begin -->", "<!-- bench-suite:end -->"
+# The document whose section between those markers the suite rewrites.
+RESULTS_DOC = ROOT / "docs" / "performance.md"
 
 
 # Per model: prompt kinds (prompt tokens, max_tokens, {closed-loop concurrency: measurement
@@ -214,7 +217,8 @@ def refresh_readme(readme: pathlib.Path, results: dict, out_dir: pathlib.Path) -
     if README_BEGIN not in text or README_END not in text:
         raise RuntimeError(f"{readme.name} has no {README_BEGIN} ... {README_END} section to refresh")
     m = results["machine"]
-    image = (out_dir / "ablation.png").resolve().relative_to(ROOT.resolve())
+    # Relative to the document, so that the link works wherever the checkout lies.
+    image = pathlib.Path(os.path.relpath((out_dir / "ablation.png").resolve(), readme.resolve().parent)).as_posix()
     body = (f"{README_BEGIN}\n`scripts/bench_suite` on {m['cores']} cores ({m['cpu']}), one run, "
             f"{results['wall_s'] / 60:.1f} minutes in all:\n\n{markdown(results)}\n![ablation]({image})\n{README_END}")
     start, end = text.index(README_BEGIN), text.index(README_END) + len(README_END)
@@ -227,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="a few short levels on the tiny model, to check the set-up")
     p.add_argument("--out-dir", default=str(ROOT / "scripts" / "results"))
     p.add_argument("--no-perf-analyzer", action="store_true")
-    p.add_argument("--no-readme", action="store_true", help="leave README.md as it is")
+    p.add_argument("--no-readme", action="store_true", help="leave docs/performance.md as it is")
     args = p.parse_args(argv)
     out_dir = pathlib.Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -245,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
     (out_dir / "results.md").write_text(markdown(results))
     print("\n" + markdown(results))
     if not (args.no_readme or args.quick):
-        refresh_readme(ROOT / "README.md", results, out_dir)
+        refresh_readme(RESULTS_DOC, results, out_dir)
     print(f"Results in {out_dir} ({results['wall_s'] / 60:.1f} minutes)")
     return 0
 

@@ -1,26 +1,61 @@
-"""Renders benchmark figures into the docs from the JSON the benchmarks wrote, between markers:
+"""Renders figures and tables into the docs from the files they come from, between markers:
 
     <!-- render: structured scripts/results/structured.json -->
     ... (generated; edits are overwritten)
     <!-- end render -->
 
-`scripts/render_docs` rewrites every marked block of README.md and docs/*.md; `--check` only says
-which blocks differ from their JSON (tests/test_docs.py runs it), so no figure is typed by hand.
+The first word names the renderer, the second its source: a benchmark's JSON for the tables of
+measured figures, a Python module for tables read from code (`serve-options` reads the
+launcher's argument parser). `scripts/render_docs` rewrites every marked block of README.md and
+docs/*.md; `--check` only says which blocks differ from their sources (tests/test_docs.py runs
+it), so no figure and no option is typed by hand.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
+import math
 import pathlib
 import re
 import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
 from tritone_client.machine import describe
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 BLOCK = re.compile(r"(<!-- render: (\S+) (\S+) -->\n)(.*?)(<!-- end render -->)", re.DOTALL)
+NA = "n/a"
 
+
+# ---------------------------------------------------------------- formatting
+
+def _number(value: Any, fmt: str, scale: float = 1.0) -> str:
+    """`value * scale` in `fmt`, or n/a for a missing or non-numeric value."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or math.isnan(value):
+        return NA
+    return format(value * scale, fmt)
+
+
+def _pair(a: Any, b: Any, fmt: str, scale: float = 1.0) -> str:
+    return f"{_number(a, fmt, scale)} / {_number(b, fmt, scale)}"
+
+
+def _ratio(a: Any, b: Any) -> str:
+    if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in (a, b)) or not b:
+        return NA
+    return f"{a / b:.2f}x"
+
+
+def _levels(*stacks: dict) -> list:
+    """The concurrency keys of the stacks, in numeric order (JSON keys are strings)."""
+    keys = {k for stack in stacks for k in (stack or {})}
+    return sorted(keys, key=lambda k: float(k) if str(k).replace(".", "", 1).isdigit() else math.inf)
+
+
+# ---------------------------------------------------------------- renderers of benchmark JSON
 
 def structured_table(results: dict) -> str:
     """`scripts/benchmark --structured`: each stack free and with every request under one JSON
@@ -44,10 +79,179 @@ def structured_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-RENDERERS = {"structured": structured_table}
+# vLLM's front end, as scripts/benchmark names its processes (tritone_client.proc_cpu.role): the
+# process that serves HTTP and detokenizes, and the one that schedules; its model runs in a worker.
+PEER_FRONT_END = ("vllm api server", "vllm engine core")
 
 
-def render(name: str, results: dict) -> str:
+def _front_end_ms(cpu: dict) -> float | None:
+    present = [cpu[role] for role in PEER_FRONT_END if isinstance(cpu.get(role), (int, float))]
+    return sum(present) if present else None
+
+
+def headline_table(results: dict) -> str:
+    """`scripts/benchmark --peer vllm`: Tritone against vLLM's CPU build, level by level."""
+    tr, peer = results.get("tritone") or {}, results.get("peer") or {}
+    lines = ["| concurrency | Tritone tok/s | vLLM tok/s | Tritone/vLLM | ITL mean Tritone / vLLM (ms) "
+             "| TTFT mean Tritone / vLLM (s) | text path CPU ms/token: Tritone / vLLM front end |",
+             "|---|---|---|---|---|---|---|"]
+    for c in _levels(tr, peer):
+        t, v = tr.get(c) or {}, peer.get(c) or {}
+        t_cpu, v_cpu = t.get("cpu_ms_per_token") or {}, v.get("cpu_ms_per_token") or {}
+        lines.append(f"| {c} | {_number(t.get('output_tokens_per_s'), '.1f')} "
+                     f"| {_number(v.get('output_tokens_per_s'), '.1f')} "
+                     f"| {_ratio(t.get('output_tokens_per_s'), v.get('output_tokens_per_s'))} "
+                     f"| {_pair(t.get('itl_mean'), v.get('itl_mean'), '.1f', 1000.0)} "
+                     f"| {_pair(t.get('ttft_mean'), v.get('ttft_mean'), '.2f')} "
+                     f"| {_pair(t_cpu.get('text path'), _front_end_ms(v_cpu), '.3f')} |")
+    return "\n".join(lines)
+
+
+def benchmark_tables(results: dict) -> str:
+    """`scripts/benchmark`: every level of each stack, Tritone's engine steps by phase, and the CPU
+    each process of each stack spends per output token (as the script prints them)."""
+    stacks = (("Tritone", results.get("tritone") or {}), ("vLLM CPU", results.get("peer") or {}))
+    lines = ["| stack | concurrency | output tok/s | TTFT mean / p99 (s) | ITL mean / p99 (ms) "
+             "| tokens per response | forward-busy |", "|---|---|---|---|---|---|---|"]
+    for name, levels in stacks:
+        for c in _levels(levels):
+            r = levels[c]
+            lines.append(f"| {name} | {c} | {_number(r.get('output_tokens_per_s'), '.1f')} "
+                         f"| {_pair(r.get('ttft_mean'), r.get('ttft_p99'), '.3f')} "
+                         f"| {_pair(r.get('itl_mean'), r.get('itl_p99'), '.1f', 1000.0)} "
+                         f"| {_number(r.get('tokens_per_response'), '.2f')} "
+                         f"| {_number(r.get('forward_busy'), '.2f') if 'forward_busy' in r else ''} |")
+    for b, r in sorted((results.get("hf_generate") or {}).items(), key=lambda kv: float(kv[0])):
+        lines.append(f"| HF generate, static batch | {b} | {_number(r.get('output_tokens_per_s'), '.1f')} | "
+                     f"| {_number(r.get('itl_mean'), '.1f', 1000.0)} per step | | |")
+
+    tritone = results.get("tritone") or {}
+    steps = [(c, tritone[c]["step_ms"]) for c in _levels(tritone) if tritone[c].get("step_ms")]
+    if steps:
+        phases = [p for p in ("schedule", "prepare", "forward", "sample", "update", "send")
+                  if any(p in s for _, s in steps)]
+        lines += ["", "Tritone's engine, milliseconds per step by phase (send: the sender thread, beside the next "
+                      "step):", "", "| concurrency | steps | " + " | ".join(phases) + " |",
+                  "|---|---|" + "---|" * len(phases)]
+        lines += [f"| {c} | {_number(s.get('steps'), '.0f')} | " + " | ".join(_number(s.get(p), ".2f") for p in phases)
+                  + " |" for c, s in steps]
+
+    rows = [(name, c, levels[c]["cpu_ms_per_token"]) for name, levels in stacks for c in _levels(levels)
+            if levels[c].get("cpu_ms_per_token")]
+    if rows:
+        roles = sorted({role for *_, cpu in rows for role in cpu}, key=lambda role: (role == "text path", role))
+        lines += ["", "CPU milliseconds per output token, by process (text path: tritonserver + preprocessing + "
+                      "postprocessing; other: a process the stack starts that has no role of its own):", "",
+                  "| stack | concurrency | " + " | ".join(roles) + " |", "|---|---|" + "---|" * len(roles)]
+        lines += [f"| {name} | {c} | " + " | ".join(_number(cpu[role], ".3f") if role in cpu else "" for role in roles)
+                  + " |" for name, c, cpu in rows]
+    return "\n".join(lines)
+
+
+def openai_throughput_table(rows: list) -> str:
+    """`scripts/openai_throughput`: the same streaming load straight to the ensemble over gRPC and
+    through tritone-openai, level by level."""
+    lines = ["| concurrency | gRPC tok/s | tritone-openai tok/s | OpenAI / gRPC | TTFT p50 gRPC / OpenAI (s) "
+             "| ITL p50 gRPC / OpenAI (ms) |", "|---|---|---|---|---|---|"]
+    for row in rows:
+        g, o = row.get("grpc") or {}, row.get("openai") or {}
+        lines.append(f"| {row.get('concurrency', NA)} | {_number(g.get('output_tokens_per_s'), '.1f')} "
+                     f"| {_number(o.get('output_tokens_per_s'), '.1f')} "
+                     f"| {_ratio(o.get('output_tokens_per_s'), g.get('output_tokens_per_s'))} "
+                     f"| {_pair((g.get('ttft_s') or {}).get('p50'), (o.get('ttft_s') or {}).get('p50'), '.3f')} "
+                     f"| {_pair((g.get('itl_s') or {}).get('p50'), (o.get('itl_s') or {}).get('p50'), '.1f', 1000.0)} |")
+    return "\n".join(lines)
+
+
+def runs_table(runs: dict) -> str:
+    """Runs of `scripts/benchmark` one after the other, each with one change (`runs`: the command
+    of each and its JSON, by label): Tritone's throughput and CPU per output token by process."""
+    lines = [f"`{runs.get('command', '')}`, one run per row pair, in this order:", "",
+             "| run | concurrency | tok/s | tritonserver | postprocessing | preprocessing | text path | llm |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in runs.get("runs", []):
+        tritone = (run.get("results") or {}).get("tritone") or {}
+        for i, c in enumerate(_levels(tritone)):
+            level, cpu = tritone[c], tritone[c].get("cpu_ms_per_token") or {}
+            lines.append(f"| {run.get('label', NA) if i == 0 else ''} | {c} "
+                         f"| {_number(level.get('output_tokens_per_s'), '.1f')} "
+                         + " ".join(f"| {_number(cpu.get(k), '.3f')}" for k in
+                                    ("tritonserver", "postprocessing", "preprocessing", "text path", "llm"))
+                         + " |")
+    lines += ["", "(milliseconds of CPU per output token, `/proc/<pid>/stat` of each process over the level)"]
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- renderers of code
+
+def _cell(text: str) -> str:
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _default(action: argparse.Action) -> str:
+    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+        return "off" if action.default is False else "on"
+    if action.default is None:
+        return "none"
+    return f"`{_cell(action.default)}`"
+
+
+def options_table(parser: argparse.ArgumentParser) -> str:
+    """Every option of `parser` (but --help): its default and what it does."""
+    lines = ["| option | default | what it does |", "|---|---|---|"]
+    for action in parser._actions:
+        if isinstance(action, argparse._HelpAction) or not action.option_strings:
+            continue
+        what = action.help if action.help and action.help != argparse.SUPPRESS else ""
+        if action.choices:
+            what = (what + "; " if what else "") + "one of " + ", ".join(f"`{c}`" for c in action.choices)
+        names = ", ".join(f"`{name}`" for name in action.option_strings)
+        lines.append(f"| {names} | {_default(action)} | {_cell(what)} |")
+    return "\n".join(lines)
+
+
+def _module(source: pathlib.Path):
+    """Imports the module that `source` is (backends/tritone/launcher.py: tritone.launcher)."""
+    relative = source.resolve().relative_to(ROOT.resolve())
+    if relative.parts[0] in ("backends", "client"):
+        root, relative = ROOT / relative.parts[0], pathlib.Path(*relative.parts[1:])
+        if str(root) not in sys.path:  # the editable install puts it there; a bare checkout does not
+            sys.path.insert(0, str(root))
+    return importlib.import_module(".".join(relative.with_suffix("").parts))
+
+
+def serve_options(source: pathlib.Path) -> str:
+    """`scripts/serve`'s options, from the launcher's `build_parser()`."""
+    return options_table(_module(source).build_parser())
+
+
+# ---------------------------------------------------------------- the renderers
+
+@dataclass(frozen=True)
+class Renderer:
+    table: Callable[[Any], str]
+    # "json": the source is a benchmark's JSON, rendered under a line naming the machine and
+    # workload; "code": the source is a Python file of this checkout, handed over as its path.
+    reads: str = "json"
+    # The command that writes a JSON source, shown in the block while the source does not exist.
+    produced_by: str = ""
+
+
+RENDERERS = {
+    "structured": Renderer(structured_table,
+                           produced_by="scripts/benchmark --structured json-schema --peer vllm --json SOURCE"),
+    "headline": Renderer(headline_table, produced_by="scripts/benchmark --peer vllm --hf-batches --json SOURCE"),
+    "benchmark": Renderer(benchmark_tables, produced_by="scripts/benchmark --peer vllm --hf-batches --json SOURCE"),
+    "openai-throughput": Renderer(openai_throughput_table, produced_by="scripts/openai_throughput --json SOURCE"),
+    "runs": Renderer(runs_table, produced_by="scripts/benchmark --json, once per run"),
+    "serve-options": Renderer(serve_options, reads="code"),
+}
+
+
+def measured_head(results: Any) -> str:
+    """The machine and workload a benchmark's JSON records (what each stack ran in)."""
+    if not isinstance(results, dict):
+        return "Machine not recorded"
     config = results.get("config", {})
     head = (f"Measured on a {describe(results['machine'])}" if "machine" in results else "Machine not recorded")
     if config:
@@ -55,14 +259,41 @@ def render(name: str, results: dict) -> str:
                  f"Tritone {results.get('tritone_dtype')}"
                  + (f", vLLM {results['peer_dtype']} on {results['peer_threads']} engine thread(s)"
                     if results.get("peer_dtype") else ""))
-    return f"{head}:\n\n{RENDERERS[name](results)}\n"
+    return head
+
+
+def renderer(name: str) -> Renderer:
+    if name not in RENDERERS:
+        raise ValueError(f"no renderer {name!r} (known: {', '.join(sorted(RENDERERS))})")
+    return RENDERERS[name]
+
+
+def load(name: str, source: str) -> Any:
+    """What renderer `name` renders from `source` (a path from the repository root): the parsed
+    JSON (None while the file does not exist yet), or the path of a code source."""
+    path = ROOT / source
+    if renderer(name).reads == "code":
+        if not path.exists():
+            raise FileNotFoundError(f"render {name}: no source file {source}")
+        return path
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def render(name: str, data: Any, source: str = "SOURCE") -> str:
+    """A block's text: `data` as `load` returns it."""
+    r = renderer(name)
+    if r.reads == "code":
+        return f"{r.table(data)}\n"
+    if data is None:
+        return (f"Not measured yet: `{r.produced_by.replace('SOURCE', source)}` writes `{source}`, then "
+                f"`scripts/render_docs` fills this in.\n")
+    return f"{measured_head(data)}:\n\n{r.table(data)}\n"
 
 
 def rendered(text: str) -> str:
     def block(m):
         name, source = m.group(2), m.group(3)
-        results = json.loads((ROOT / source).read_text())
-        return m.group(1) + render(name, results) + m.group(5)
+        return m.group(1) + render(name, load(name, source), source) + m.group(5)
 
     return BLOCK.sub(block, text)
 
@@ -72,7 +303,7 @@ def documents() -> list[pathlib.Path]:
 
 
 def stale() -> list[str]:
-    """The documents whose rendered blocks differ from their JSON."""
+    """The documents whose rendered blocks differ from their sources."""
     return [str(p.relative_to(ROOT)) for p in documents() if rendered(p.read_text()) != p.read_text()]
 
 
@@ -83,7 +314,7 @@ def main(argv=None) -> int:
     if args.check:
         out = stale()
         for path in out:
-            print(f"{path}: rendered figures differ from their JSON (run scripts/render_docs)")
+            print(f"{path}: rendered blocks differ from their sources (run scripts/render_docs)")
         return 1 if out else 0
     for path in documents():
         text = path.read_text()

@@ -38,7 +38,7 @@ def oai_server(model_dir, tmp_path_factory):
                             "--max-num-seqs", "1", "--max-queue-len", "1")
     yield srv
     # Not asserted: Triton 2.51 keeps ensemble requests that a client cancelled counted in flight,
-    # so this server's exit waits out its exit timeout (README, Cancellation).
+    # so this server's exit waits out its exit timeout (docs/operations.md, Cancellation).
     srv.stop()
     log.close()
 

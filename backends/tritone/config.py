@@ -25,15 +25,16 @@ class EngineConfig:
     seed: int = 0
     # Waiting requests beyond this are refused with a "server busy" error (0: no limit).
     max_queue_len: int = 0
-    # CPU threads for the model (0: every core). On 2 cores the served default model made 1.5x to
-    # 1.7x the output tok/s at concurrency 32 and 128 on two threads than on one that left a core
-    # to the text stages.
+    # CPU threads for the model (0: every core). Every core, though the text stages share them:
+    # served on 2 cores, the model on both made more tokens/s than the model on one with the
+    # other left to the text stages.
     num_threads: int = 0
-    # torch.compile the forward pass: auto (on CPU where a C++ compiler is present), on, off.
+    # torch.compile the torch forward path (the native forward is not compiled): auto (on CPU
+    # where a C++ compiler is present), on, off. On CUDA the model runs eagerly.
     compile: str = "auto"
     # The forward pass: native (Tritone's Llama family in one native call per step, on CPU in fp32,
-    # or bf16 with AVX512-BF16), torch (the model's modules, compiled per `compile`), or auto
-    # (native where it can run and measured fastest).
+    # or in bf16 where the CPU has AVX512-BF16 and Tritone's bf16 GEMM measured fastest), torch (the
+    # model's modules, compiled per `compile`), or auto (native wherever it can run).
     forward: str = "auto"
     # Paged attention: auto (the native kernel on CPU; on CUDA the first of flash-varlen, triton
     # that passes a probe batch at start), or one of cpu-native, flash-varlen, triton, sdpa.

@@ -31,7 +31,7 @@ def cache_dir():
 
 def should_compile(mode: str, device: torch.device) -> bool:
     """`on` and `auto` compile on CPU where a C++ compiler is present (`auto` says nothing when
-    it is not; `on` logs why not); `off` never. On CUDA the forward runs eagerly (see the README)."""
+    it is not; `on` logs why not); `off` never. On CUDA the forward runs eagerly (docs/architecture.md, The CUDA path)."""
     if mode == "off" or device.type != "cpu":
         return False
     if shutil.which(os.environ.get("CXX", "c++")) is None:

@@ -7,12 +7,10 @@ import logging
 import os
 
 # libgomp's threads (torch's ops; the native forward has threads of its own, csrc/pool.c) spin
-# for 300,000 rounds before they sleep, keeping both cores busy through the Python between
-# steps, which the tokenizer, detokenizer and server processes on the same cores need. 2,000
-# rounds cover the gaps between one forward pass's parallel regions (in process: the same step
-# times at batch 1 and 8) and sleep through the rest (served tiny model at concurrency 256: 2,587
-# -> 2,983 tok/s; the default model at 128: 351 -> 358). Set before torch loads libgomp; a value
-# set by the user stays.
+# for 300,000 rounds before they sleep, keeping the cores busy through the Python between steps,
+# which the tokenizer, detokenizer and server processes on the same cores need. 2,000 rounds
+# cover the gaps between one forward pass's parallel regions, so steps run as fast, and sleep
+# through the rest. Set before torch loads libgomp; a value set by the user stays.
 os.environ.setdefault("GOMP_SPINCOUNT", "2000")
 
 try:  # the launcher puts this beside the Python backend: it adds the environment's paths

@@ -1,11 +1,9 @@
 /* fp32 linear layers for the CPU: C[M, N] = A[M, K] @ W (+ bias), W packed in column panels.
  *
  * A decode step reads every weight once: hundreds of megabytes that never stay in cache, so
- * the GEMMs of serving wait on memory far more than on arithmetic. Measured on a 2-core AMD
- * EPYC (AVX2): oneDNN on prepacked weights reached 87 GFLOP/s per core on a weight already in
- * cache at 32 rows but 55 on one streamed from memory, and MKL's single-row GEMV about half the
- * memory bandwidth. Here each thread, while it works on one panel, prefetches the next it will
- * take, so streaming overlaps the arithmetic.
+ * the GEMMs of serving wait on memory far more than on arithmetic, and a library GEMM tuned for
+ * weights in cache runs well below its peak on them. Here each thread, while it works on one
+ * panel, prefetches the next it will take, so streaming overlaps the arithmetic.
  *
  * Layout: panel p holds columns [16p, 16p + 16) as K rows of 16 floats (zero padded past N),
  * one 64-byte cache line per k. A 6 x 16 tile keeps twelve 8-float accumulators in registers
@@ -13,8 +11,7 @@
  *
  * bf16 (where the CPU has AVX512-BF16): A rounded to bf16, W packed in panels of 32 columns as
  * pairs of k (the operand layout of vdpbf16ps, which multiplies two bf16 pairs per fp32 lane),
- * sums in fp32. On a 2-core AMD EPYC with AVX512-BF16, torch's bf16 GEMMs ran 4x to 5x its fp32
- * ones; this kernel takes the same panel scheme as the fp32 one below (one driver serves both).
+ * sums in fp32. It takes the same panel scheme as the fp32 one below (one driver serves both).
  *
  * Plain C with GCC/Clang vector extensions, no torch headers; threads from pool.c. */
 #include <stddef.h>

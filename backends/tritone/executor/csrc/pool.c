@@ -1,26 +1,22 @@
 /* The kernels' threads: the caller and persistent workers, and a wait that yields its core.
  *
- * Served on a machine whose cores the engine shares with the server's other processes (the
- * detokenizers, the server, the client), a forward pass runs some 300 short parallel sections per
- * step (each GEMM, each layer's attention and elementwise work). OpenMP's threads, between
- * sections, spin briefly and then sleep in the kernel: when the server's processes preempt one
- * thread, its partner sleeps, and every later section then pays a wake-up of the sleeper (tens of
- * microseconds on a virtual machine) while the core it left stays idle. Measured at concurrency
- * 32 on two cores: each of the two threads ran 0.58 of a core, each was switched in 5,300 times a
- * second, a quarter of a core sat idle, and a batch-32 step took 44 ms served against 19 ms in
- * process. Spinning longer (GOMP_SPINCOUNT) kept the threads awake but took the cores from the
- * server's processes at high concurrency (a loss at 128).
+ * A forward pass runs some 300 short parallel sections per step (each GEMM, each layer's
+ * attention and elementwise work), on cores the engine shares with the server's other processes
+ * (the detokenizers, the server, the client). OpenMP's threads, between sections, spin briefly and
+ * then sleep in the kernel: when one of those processes preempts one thread, its partner sleeps,
+ * and every later section pays a wake-up of the sleeper (tens of microseconds on a virtual
+ * machine) while the core it left stays idle. Spinning longer keeps the threads awake but takes
+ * the cores from the server's processes when they have the most to do.
  *
  * Here a waiting thread spins for a few microseconds, then yields its core (sched_yield) between
  * looks: another process that wants the core gets it at once, and when none does the thread
  * sees its next section without a wake-up. A worker sleeps (futex) only after a couple of
  * milliseconds with no work, so that an idle server uses no CPU.
  *
- * The pool runs the sections of a native forward pass (pool_warm_begin / pool_warm_end); other
- * calls go to OpenMP's team as before. Where the kernels run one GEMM at a time between torch's
- * own ops (the torch forward path), workers of the pool's own either took the cores from torch's
- * OpenMP threads (yielding: a batch-32 step 24-41 -> 89-107 ms) or paid a wake-up per GEMM
- * (sleeping: 48-56 ms). */
+ * The pool runs the sections of a native forward pass only (pool_warm_begin / pool_warm_end);
+ * other calls go to OpenMP's team. Where the kernels run one GEMM at a time between torch's own
+ * ops (the torch forward path), workers of the pool's own would either take the cores from
+ * torch's OpenMP threads (yielding) or pay a wake-up per GEMM (sleeping). */
 #define _GNU_SOURCE
 #include "pool.h"
 
