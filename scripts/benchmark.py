@@ -123,9 +123,9 @@ def schema_variant(n: int) -> dict:
     return {**STRUCTURED_SCHEMA, "properties": props, "required": [f"title_{n}", "words"]}
 
 
-async def run_level(url, prompts, concurrency, output_len, temperature=0.0, top_p=1.0, schema=None):
-    """One level against Tritone's ensemble over gRPC streaming (every request constrained to
-    `schema`, when given)."""
+async def run_level(url, prompts, concurrency, output_len, temperature=0.0, top_p=1.0, schema=None, model="ensemble"):
+    """One level against Tritone's ensemble (or `model`: llm_inline, where the server was started
+    with --inline) over gRPC streaming (every request constrained to `schema`, when given)."""
     client = grpcaio.InferenceServerClient(url)
 
     async def one(prompt):
@@ -142,7 +142,7 @@ async def run_level(url, prompts, concurrency, output_len, temperature=0.0, top_
         inputs = infer_inputs(grpcaio, tensors)
 
         async def requests():
-            yield {"model_name": "ensemble", "inputs": inputs}
+            yield {"model_name": model, "inputs": inputs}
 
         start, arrivals = time.perf_counter(), []
         async for result, error in client.stream_infer(requests()):
@@ -272,13 +272,14 @@ def run_tritone(args, model_dir, prompts, results):
         server.wait_ready()
         url = f"{server_args.host}:{server_args.grpc_port}"
         metrics = ServerMetrics(f"http://{server_args.host}:{server_args.metrics_port}/metrics")
-        asyncio.run(run_level(url, prompts[:4], 4, 8))  # warm-up
+        model = "llm_inline" if server_args.inline else "ensemble"
+        asyncio.run(run_level(url, prompts[:4], 4, 8, model=model))  # warm-up
         tree = ProcessTree(server.process.pid)
         for c in args.concurrency:
             metrics.wait_idle()
             before, t0, cpu = metrics.read(), time.perf_counter(), tree.cpu_seconds()
             level = asyncio.run(run_level(url, level_requests(args, prompts, c), c, args.output_len,
-                                          args.temperature, args.top_p))
+                                          args.temperature, args.top_p, model=model))
             seconds = time.perf_counter() - t0
             level["cpu_ms_per_token"] = per_token_ms(cpu, tree.cpu_seconds(), level["num_output_tokens"])
             metrics.wait_idle()
@@ -292,7 +293,7 @@ def run_tritone(args, model_dir, prompts, results):
                 metrics.wait_idle()
                 cpu = tree.cpu_seconds()
                 level = asyncio.run(run_level(url, level_requests(args, prompts, c), c, args.output_len,
-                                              args.temperature, args.top_p, STRUCTURED_SCHEMA))
+                                              args.temperature, args.top_p, STRUCTURED_SCHEMA, model=model))
                 level["cpu_ms_per_token"] = per_token_ms(cpu, tree.cpu_seconds(), level["num_output_tokens"])
                 results["tritone_structured"][c] = level
                 print(level_line("Tritone, JSON schema", c, level), flush=True)

@@ -172,7 +172,8 @@ def runs_table(runs: dict) -> str:
     for run in runs.get("runs", []):
         tritone = (run.get("results") or {}).get("tritone") or {}
         for i, c in enumerate(_levels(tritone)):
-            level, cpu = tritone[c], tritone[c].get("cpu_ms_per_token") or {}
+            level, cpu = tritone[c], dict(tritone[c].get("cpu_ms_per_token") or {})
+            cpu.setdefault("llm", cpu.get("llm_inline"))  # the engine's process, whichever model it serves
             lines.append(f"| {run.get('label', NA) if i == 0 else ''} | {c} "
                          f"| {_number(level.get('output_tokens_per_s'), '.1f')} "
                          + " ".join(f"| {_number(cpu.get(k), '.3f')}" for k in
