@@ -16,9 +16,9 @@ import argparse
 import time
 
 from tritone.config import EngineConfig
-from tritone.engine import PHASES, LLMEngine
+from tritone.engine.core import PHASES, LLMEngine
 from tritone.models import resolve_model
-from tritone.request import SamplingParams
+from tritone.scheduling.request import SamplingParams
 
 
 def run_level(engine: LLMEngine, concurrency: int, num_requests: int, prompt_len: int, output_len: int,

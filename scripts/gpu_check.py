@@ -33,9 +33,9 @@ def parity(max_tokens: int) -> dict[str, bool]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from tritone.config import EngineConfig
-    from tritone.engine import LLMEngine
+    from tritone.engine.core import LLMEngine
     from tritone.models import prepare_default_model
-    from tritone.request import SamplingParams
+    from tritone.scheduling.request import SamplingParams
 
     model_dir = prepare_default_model()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

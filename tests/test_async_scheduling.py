@@ -19,8 +19,8 @@ import torch
 
 from test_executor import build_tiny, hf_greedy, prompts, MAX_TOKENS
 from tritone.config import EngineConfig
-from tritone.engine import LLMEngine
-from tritone.request import PENDING_TOKEN, FinishReason, SamplingParams
+from tritone.engine.core import LLMEngine
+from tritone.scheduling.request import PENDING_TOKEN, FinishReason, SamplingParams
 
 VOCAB = 384
 DEVICE_SECONDS = 0.04

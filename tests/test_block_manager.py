@@ -1,5 +1,5 @@
-from tritone.block_manager import BlockManager
-from tritone.request import Request, SamplingParams
+from tritone.scheduling.block_manager import BlockManager
+from tritone.scheduling.request import Request, SamplingParams
 
 
 def make_request(tokens, rid="r"):
@@ -113,7 +113,7 @@ def test_a_block_is_findable_only_once_its_kv_is_computed():
 
 def test_equal_hashes_with_different_tokens_never_share_a_block(monkeypatch):
     # Every block hashes alike: only the tokens stored with each cached block tell them apart.
-    monkeypatch.setattr("tritone.block_manager.chain_hash", lambda parent, tokens: b"collide")
+    monkeypatch.setattr("tritone.scheduling.block_manager.chain_hash", lambda parent, tokens: b"collide")
     bm = BlockManager(num_blocks=8, block_size=4)
     victim = make_request(range(9), "victim")
     compute(bm, victim, 9)

@@ -14,10 +14,10 @@ import torch
 from test_attention import packed_batch
 from test_executor import build_tiny, hf_greedy, prompts, MAX_TOKENS
 from tritone.config import EngineConfig
-from tritone.engine import LLMEngine
+from tritone.engine.core import LLMEngine
 from tritone.executor import attention, cuda_graphs
 from tritone.executor.attention import TorchSDPAAttention, TritonPagedAttention
-from tritone.request import SamplingParams
+from tritone.scheduling.request import SamplingParams
 
 # conftest turns Triton's interpreter on where there is no GPU; with one, the kernel runs on it.
 DEVICE = torch.device("cpu" if os.environ.get("TRITON_INTERPRET") == "1" else "cuda")

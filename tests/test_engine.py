@@ -9,10 +9,10 @@ from transformers import AutoConfig
 
 from conftest import PROMPTS, hf_greedy
 from tritone.config import EngineConfig
-from tritone.engine import LLMEngine
+from tritone.engine.core import LLMEngine
 from tritone.executor import kv_bytes_per_token
 from tritone.executor.attention import TorchSDPAAttention
-from tritone.request import FinishReason, SamplingParams
+from tritone.scheduling.request import FinishReason, SamplingParams
 
 MAX_TOKENS = 12
 
@@ -164,8 +164,8 @@ def _shared_engine(model_dir):
 
 
 def test_merged_outputs_keep_each_requests_tokens_in_order():
-    from tritone.engine import merge_outputs
-    from tritone.request import RequestOutput
+    from tritone.engine.async_engine import merge_outputs
+    from tritone.scheduling.request import RequestOutput
 
     def out(rid, ids, n, finished=False):
         return RequestOutput(rid, ids, [0.5] * len(ids), 3, n, finished,
@@ -208,11 +208,10 @@ class Collector:
 
 
 def start_async(engine, collector):
-    from tritone.engine import AsyncEngine
+    from tritone.engine.async_engine import AsyncEngine
 
-    async_engine = AsyncEngine(engine, collector, on_fatal=collector.fatal.append)
-    async_engine.start()
-    return async_engine
+    # Built before, so that a test can break it first: the engine thread only takes it.
+    return AsyncEngine(lambda: engine, collector, on_fatal=collector.fatal.append)
 
 
 def wait_idle(engine, timeout=60.0):
@@ -251,9 +250,8 @@ def test_a_failed_step_fails_every_request_frees_every_block_and_leaves_no_hash(
     assert async_engine.dead is None and not collector.fatal
 
 
-def test_launch_builds_the_engine_on_its_own_thread_and_raises_what_building_raised(model_dir, prompt_ids,
-                                                                                      expected):
-    from tritone.engine import AsyncEngine
+def test_the_engine_is_built_on_its_own_thread_and_what_building_raised_is_raised(model_dir, prompt_ids, expected):
+    from tritone.engine.async_engine import AsyncEngine
 
     built_on = []
 
@@ -262,7 +260,7 @@ def test_launch_builds_the_engine_on_its_own_thread_and_raises_what_building_rai
         return make_engine(model_dir)
 
     collector = Collector()
-    async_engine = AsyncEngine.launch(build, collector)
+    async_engine = AsyncEngine(build, collector)
     assert built_on == [async_engine._engine_thread]
     async_engine.submit("a", prompt_ids[0], SamplingParams(max_tokens=MAX_TOKENS))
     collector.wait_final("a")
@@ -273,7 +271,7 @@ def test_launch_builds_the_engine_on_its_own_thread_and_raises_what_building_rai
         raise ValueError("no such model")
 
     with pytest.raises(ValueError, match="no such model"):
-        AsyncEngine.launch(broken, collector)
+        AsyncEngine(broken, collector)
 
 
 def test_a_send_that_raises_still_ends_the_request_with_one_final_error(model_dir, prompt_ids, expected):

@@ -6,6 +6,7 @@ measured dtype; the default model in bf16 against Hugging Face bf16."""
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import functools
 import json
 import os
@@ -20,10 +21,10 @@ from transformers import AutoModelForCausalLM, GemmaConfig, LlamaConfig, Qwen2Co
 
 from conftest import PROMPTS
 from tritone.config import EngineConfig
-from tritone.engine import LLMEngine
-from tritone.executor import compiler, gemm, hardware, kernels, llama
+from tritone.engine.core import LLMEngine
+from tritone.executor import compiler, gemm, hardware, kernels, llama, native
 from tritone.executor.hf import HFCausalLM
-from tritone.request import SamplingParams
+from tritone.scheduling.request import SamplingParams
 
 MAX_TOKENS = 8
 COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
@@ -128,6 +129,14 @@ def test_native_forward_asked_for_where_it_cannot_run(tmp_path):
     _, path, _ = build_tiny("qwen2", tmp_path / "qwen2")
     with pytest.raises(ValueError, match="forward native: it runs float32 or bfloat16, not float16"):
         engine_greedy(path, prompts(1), forward="native", dtype="float16")
+
+
+def test_native_forward_structures_are_the_size_of_the_headers_structures():
+    # native.py restates csrc/kernels.h's structures by hand: a field added on one side only
+    # would shift every field after it.
+    sizes = (ctypes.c_size_t * 3)()
+    kernels.native_library().llama_struct_sizes(sizes)
+    assert list(sizes) == [ctypes.sizeof(native._Layer), ctypes.sizeof(native._Model), ctypes.sizeof(native._Batch)]
 
 
 def test_compile_cache_lies_under_tritones_cache(tmp_path):
@@ -410,9 +419,9 @@ def test_native_bf16_forward_is_close_to_hugging_face_bf16(tiny):
 _NO_COMPILER = """
 import json, sys, torch
 from tritone.config import EngineConfig
-from tritone.engine import LLMEngine
+from tritone.engine.core import LLMEngine
 from tritone.executor import kernels
-from tritone.request import SamplingParams
+from tritone.scheduling.request import SamplingParams
 path, prompt = sys.argv[1], json.loads(sys.argv[2])
 report = {"library": kernels.native_library() is not None}
 for attention in ("cpu-native", "auto"):

@@ -7,9 +7,11 @@ import sys
 import numpy as np
 import pytest
 
-from tritone.flow import EVIDENCE_AGE_S, LOST_AFTER_S, NUM_SLOTS, ChunkWatch, FlowBoard, remove_stale
-from tritone.request import FinishReason, RequestOutput
-from tritone.serving import Postprocessor, ResponseState, ResponseStream, parse_llm_request
+from tritone.scheduling.request import FinishReason, RequestOutput
+from tritone.serving.flow import EVIDENCE_AGE_S, LOST_AFTER_S, NUM_SLOTS, ChunkWatch, FlowBoard, remove_stale
+from tritone.serving.inputs import parse_llm_request
+from tritone.serving.processing import Postprocessor
+from tritone.serving.responses import ResponseState, ResponseStream
 from tritone.text import Detokenizer
 
 MS = 1_000_000

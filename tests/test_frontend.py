@@ -1,4 +1,4 @@
-"""The engine's side of the llm and llm_inline models (tritone.frontend), with a fake of Triton's
+"""The engine's side of the llm and llm_inline models (tritone.serving.frontend), with a fake of Triton's
 Python-backend utilities and a fake engine."""
 
 import threading
@@ -7,10 +7,10 @@ import types
 
 import pytest
 
-from tritone.flow import FlowBoard
-from tritone.frontend import EngineFrontend
-from tritone.request import FinishReason, RequestOutput, SamplingParams
-from tritone.serving import LLMRequest
+from tritone.scheduling.request import FinishReason, RequestOutput, SamplingParams
+from tritone.serving.flow import FlowBoard
+from tritone.serving.frontend import EngineFrontend
+from tritone.serving.inputs import LLMRequest
 from tritone.text import Detokenizer
 
 FINAL = 1

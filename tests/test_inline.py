@@ -5,8 +5,8 @@ import numpy as np
 import pytest
 
 from conftest import start_server
-from tritone.inline import InlineText
 from tritone.launcher import ENSEMBLE_MODELS, INLINE_MODELS, render_repository
+from tritone.serving.inline import InlineText
 from tritone_client import TritoneClient, infer_inputs
 
 

@@ -12,9 +12,9 @@ from transformers.generation.logits_process import (
     LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, NoBadWordsLogitsProcessor,
     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
+from tritone.engine.sampler import Sampler, _mask_top_k_top_p_sorted, apply_bans, apply_penalties, needs_logits, warp
 from tritone.executor import kernels
-from tritone.request import Request, SamplingParams
-from tritone.sampler import Sampler, _mask_top_k_top_p_sorted, apply_bans, apply_penalties, needs_logits, warp
+from tritone.scheduling.request import Request, SamplingParams
 
 VOCAB = 64
 END_IDS = frozenset({2, 3})

@@ -1,7 +1,7 @@
-from tritone.block_manager import BlockManager
 from tritone.config import EngineConfig
-from tritone.request import FinishReason, Request, RequestStatus, SamplingParams
-from tritone.scheduler import Scheduler
+from tritone.scheduling.block_manager import BlockManager
+from tritone.scheduling.request import FinishReason, Request, RequestStatus, SamplingParams
+from tritone.scheduling.scheduler import Scheduler
 
 
 def make(num_blocks=16, block_size=4, budget=32, max_seqs=8, prefix=True):
@@ -107,7 +107,7 @@ def test_max_num_seqs_caps_the_running_batch():
 
 def test_prefix_hit_rate_counts_each_prompt_once():
     # b waits several steps for blocks, then is preempted once: still one prompt in the rate.
-    from tritone.scheduler import SchedulerOutput
+    from tritone.scheduling.scheduler import SchedulerOutput
 
     def compute_only(out):  # no new tokens: the holder keeps its blocks without growing
         for item in out.scheduled:
@@ -138,7 +138,7 @@ def test_prefix_hit_rate_counts_each_prompt_once():
 
 
 def test_hit_rate_is_over_a_window_of_recent_prompts():
-    from tritone.block_manager import PrefixCacheStats
+    from tritone.scheduling.block_manager import PrefixCacheStats
 
     stats = PrefixCacheStats(window=2)
     stats.record(10, 10)

@@ -10,9 +10,11 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from tritone.request import FinishReason, RequestOutput
-from tritone.serving import (Drain, Postprocessor, Preprocessor, ResponseStream, parse_llm_request, parse_messages,
-                             ResponseState, stream_interval, text_list)
+from tritone.scheduling.request import FinishReason, RequestOutput
+from tritone.serving.inputs import parse_llm_request, parse_messages, stream_interval, text_list
+from tritone.serving.lifecycle import Drain
+from tritone.serving.processing import Postprocessor, Preprocessor
+from tritone.serving.responses import ResponseState, ResponseStream
 from tritone.text import Detokenizer
 
 

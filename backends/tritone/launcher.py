@@ -24,8 +24,8 @@ import time
 import urllib.request
 from dataclasses import dataclass
 
-from tritone import flow
 from tritone.models import cache_root, resolve_model
+from tritone.serving import flow
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -85,7 +85,7 @@ def find_tritonserver() -> TritonInstall:
 
 # tritonserver spends about a fifth of its CPU in the C library's malloc and free under streaming
 # load (three messages per streamed token, each allocated, copied and freed across threads); any
-# of these allocators takes that to a few percent, and 15-20% off the text path's CPU per token
+# of these allocators takes 10% to 20% off the text path's CPU per token
 # (docs/performance.md). mimalloc comes with Tritone's dependencies; the others where the system
 # has them (NVIDIA's container ships jemalloc and tcmalloc).
 MALLOC_LIBRARIES = {"mimalloc": ("mimalloc",), "jemalloc": ("jemalloc",), "tcmalloc": ("tcmalloc_minimal", "tcmalloc")}
@@ -357,7 +357,7 @@ class Server:
 
     @property
     def shutdown_file(self) -> pathlib.Path:
-        """Created to drain the models (see tritone.serving.Drain)."""
+        """Created to drain the models (see tritone.serving.lifecycle.Drain)."""
         return self.run_dir / "shutting_down"
 
     @property
@@ -461,7 +461,7 @@ class Server:
     def drain(self, timeout: float) -> bool:
         """Refuses new requests and waits, up to `timeout` seconds, until the engine has
         finished the ones it holds. Triton 2.51 cannot do this itself for ensemble requests
-        (see tritone.serving.Drain). True if the engine reported itself drained."""
+        (see tritone.serving.lifecycle.Drain). True if the engine reported itself drained."""
         self.shutdown_file.touch()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline and self.process.poll() is None and not self._skip_drain:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from tritone.request import Request, RequestStatus
+from tritone.scheduling.request import Request, RequestStatus
 
 
 class BlockTableRows:

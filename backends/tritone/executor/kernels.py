@@ -24,7 +24,8 @@ logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
 _SOURCES = [_CSRC / name for name in ("pool.c", "paged_attention.c", "gemm.c", "argmax.c", "sample.c", "llama.c")]
-_HEADERS = [_CSRC / "vexp.h", _CSRC / "bf16.h", _CSRC / "pool.h"]
+# Every header, not a list: a header the list missed would leave a stale library in the cache.
+_HEADERS = sorted(_CSRC.glob("*.h"))
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.
 _FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fassociative-math", "-fno-signed-zeros",
@@ -64,6 +65,7 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
+    # ctypes cannot read csrc/kernels.h: these restate its declarations.
     fn = lib.paged_attention
     fn.restype = ctypes.c_int
     fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
@@ -91,6 +93,8 @@ def _build() -> ctypes.CDLL:
     lib.llama_forward.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int]
     lib.llama_scratch_floats.restype = ctypes.c_size_t
     lib.llama_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int]
+    lib.llama_struct_sizes.restype = None
+    lib.llama_struct_sizes.argtypes = [ctypes.c_void_p]
     return lib
 
 

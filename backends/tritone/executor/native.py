@@ -21,6 +21,9 @@ from tritone.executor import kernels, llama
 
 logger = logging.getLogger(__name__)
 
+# Mirrors of csrc/kernels.h's LlamaLayer, LlamaModel and LlamaBatch, field for field: ctypes cannot
+# read the header, which is the source of truth. The tests compare their sizes with the
+# library's (llama_struct_sizes).
 _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bias", "post_norm", "gate_up",
                  "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")
 

@@ -21,7 +21,7 @@ from tritone.executor import attention, block_table, compiler, cuda_graphs, gemm
 from tritone.executor.kernels import argmax_rows
 from tritone.executor.loader import load_weights
 from tritone.executor.step import PendingTokens, StepInput
-from tritone.scheduler import SchedulerOutput
+from tritone.scheduling.scheduler import SchedulerOutput
 
 logger = logging.getLogger(__name__)
 

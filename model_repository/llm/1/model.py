@@ -1,6 +1,6 @@
 """Triton adapter of the engine: `execute` parses and enqueues, the engine's own threads do the
 rest, and responses go out through each request's decoupled response sender
-(tritone.frontend.EngineFrontend)."""
+(tritone.serving.frontend.EngineFrontend)."""
 
 import json
 import logging
@@ -21,11 +21,11 @@ except ImportError:  # NVIDIA's container, where the package is installed system
 import triton_python_backend_utils as pb_utils
 
 from tritone.config import EngineConfig
-from tritone.flow import FlowBoard
-from tritone.frontend import EngineFrontend
-from tritone.metrics import EngineMetrics
-from tritone.serving import Drain, abort_target, exit_when_orphaned, model_parameters, parse_llm_request, \
-    stream_interval, triton_getter
+from tritone.serving.flow import FlowBoard
+from tritone.serving.frontend import EngineFrontend
+from tritone.serving.inputs import abort_target, model_parameters, parse_llm_request, stream_interval, triton_getter
+from tritone.serving.lifecycle import Drain, exit_when_orphaned
+from tritone.serving.metrics import EngineMetrics
 from tritone.text import Detokenizer, load_tokenizer
 
 
@@ -34,7 +34,8 @@ class TritonPythonModel:
         # The engine logs what it measured and chose at start (dtype, GEMM, compile time).
         logging.basicConfig(level=logging.INFO, format="[tritone] %(name)s: %(message)s")
         params = model_parameters(json.loads(args["model_config"]))
-        # Shared with postprocessing's instances (tritone.flow); forget a previous server's marks.
+        # Shared with postprocessing's instances (tritone.serving.flow); forget a previous
+        # server's marks.
         flow = FlowBoard()
         flow.reset()
         # The detokenizer decodes for stop words and finds where each chunk's context starts.

@@ -1,5 +1,5 @@
 """Triton adapter of the single-process ablation: the `llm` model's frontend with the text work
-of preprocessing and postprocessing (tritone.inline) done in this process."""
+of preprocessing and postprocessing (tritone.serving.inline) done in this process."""
 
 import json
 import logging
@@ -15,11 +15,11 @@ except ImportError:  # NVIDIA's container, where the package is installed system
 import triton_python_backend_utils as pb_utils
 
 from tritone.config import EngineConfig
-from tritone.frontend import EngineFrontend
-from tritone.inline import InlineText
-from tritone.metrics import EngineMetrics
-from tritone.serving import SHUTTING_DOWN, Drain, exit_when_orphaned, model_parameters, stream_interval, \
-    triton_getter
+from tritone.serving.frontend import EngineFrontend
+from tritone.serving.inline import InlineText
+from tritone.serving.inputs import model_parameters, stream_interval, triton_getter
+from tritone.serving.lifecycle import SHUTTING_DOWN, Drain, exit_when_orphaned
+from tritone.serving.metrics import EngineMetrics
 
 
 class TritonPythonModel:

@@ -1,4 +1,5 @@
-"""Triton adapter of the stateless detokenizer: tensors in, tritone.serving.Postprocessor, tensors out."""
+"""Triton adapter of the stateless detokenizer: tensors in, tritone.serving.processing.Postprocessor,
+tensors out."""
 
 import json
 
@@ -9,17 +10,19 @@ except ImportError:  # NVIDIA's container, where the package is installed system
 
 import triton_python_backend_utils as pb_utils
 
-from tritone.flow import FlowBoard
-from tritone.serving import Postprocessor, exit_when_orphaned, model_parameters
+from tritone.serving.flow import FlowBoard
+from tritone.serving.inputs import model_parameters
+from tritone.serving.lifecycle import exit_when_orphaned
+from tritone.serving.processing import Postprocessor
 
 
 class TritonPythonModel:
     def initialize(self, args):
         # Every model process watches for its server's death, not only the engine's: one
-        # outlived a killed server in a full test run (serving.exit_when_orphaned).
+        # outlived a killed server in a full test run (tritone.serving.lifecycle).
         exit_when_orphaned()
-        # What this instance receives and when it idles, for the llm model (tritone.flow): its
-        # flow control, and how it learns of cancelled requests, whose chunks the batcher drops.
+        # What this instance receives and when it idles, for the llm model (tritone.serving.flow):
+        # its flow control, and how it learns of cancelled requests, whose chunks the batcher drops.
         flow = FlowBoard()
         flow.claim_cell()
         self.postprocess = Postprocessor.from_parameters(model_parameters(json.loads(args["model_config"])), flow)

@@ -1,4 +1,4 @@
-"""Triton adapter of the tokenizer: tensors in, tritone.serving.Preprocessor, tensors out."""
+"""Triton adapter of the tokenizer: tensors in, tritone.serving.processing.Preprocessor, tensors out."""
 
 import json
 
@@ -10,13 +10,15 @@ except ImportError:  # NVIDIA's container, where the package is installed system
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritone.serving import SHUTTING_DOWN, Drain, Preprocessor, exit_when_orphaned, model_parameters, triton_getter
+from tritone.serving.inputs import model_parameters, triton_getter
+from tritone.serving.lifecycle import SHUTTING_DOWN, Drain, exit_when_orphaned
+from tritone.serving.processing import Preprocessor
 
 
 class TritonPythonModel:
     def initialize(self, args):
         # Every model process watches for its server's death, not only the engine's: one
-        # outlived a killed server in a full test run (serving.exit_when_orphaned).
+        # outlived a killed server in a full test run (tritone.serving.lifecycle).
         exit_when_orphaned()
         params = model_parameters(json.loads(args["model_config"]))
         self.preprocess = Preprocessor(params)

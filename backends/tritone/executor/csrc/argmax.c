@@ -6,7 +6,7 @@
  * so that the row streams at memory speed. Ties go to the lowest index, as torch's and therefore
  * Hugging Face's greedy choice does; NaN is never chosen. */
 #include <stdint.h>
-#include "pool.h"
+#include "kernels.h"
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));

@@ -20,7 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "bf16.h"
-#include "pool.h"
+#include "kernels.h"
 
 typedef float v8 __attribute__((vector_size(32), aligned(4)));
 typedef int32_t v8i __attribute__((vector_size(32), aligned(4)));

@@ -19,56 +19,10 @@
 #include <string.h>
 #include "vexp.h"
 #include "bf16.h"
-#include "pool.h"
+#include "kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif
-
-void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
-              int num_threads);
-int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, int K, int N, int num_threads);
-void gemm_bf16(const uint16_t *a, const uint16_t *panels, const float *bias, float *c, int M, int K, int N,
-               int num_threads);
-int gemm_bf16_argmax(const uint16_t *a, const uint16_t *panels, int64_t *out, int M, int K, int N, int num_threads);
-void to_bf16_rows(const float *x, uint16_t *out, int M, int K, int num_threads);
-int paged_attention(const float *q, const void *k_cache, const void *v_cache, const int32_t *block_tables,
-                    const int32_t *query_start, const int32_t *seq_lens, float *out, int num_seqs, int num_heads,
-                    int num_kv_heads, int head_dim, int block_size, int max_blocks, float scale, int is_bf16,
-                    int num_threads);
-
-/* One decoder layer's weights: norms and biases as float32 vectors, linears as gemm.c's panels of
- * the model's dtype; biases, q_norm and k_norm may be NULL. k_cache, v_cache: [num_slots,
- * num_kv_heads, head_dim] of the model's dtype. */
-typedef struct {
-    const float *input_norm;
-    const void *qkv;
-    const float *qkv_bias, *q_norm, *k_norm;
-    const void *o;
-    const float *o_bias, *post_norm;
-    const void *gate_up;
-    const float *gate_up_bias;
-    const void *down;
-    const float *down_bias;
-    void *k_cache, *v_cache;
-} LlamaLayer;
-
-typedef struct {
-    int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, vocab;
-    int bf16;                /* weights' panels, embeddings and KV cache in bf16, else float32 */
-    float eps, scale;
-    const void *embed;       /* [vocab, hidden] */
-    const float *rope;       /* [max_positions, head_dim]: cos in the first half, sin in the second */
-    const float *final_norm; /* [hidden] */
-    const void *lm_head;     /* panels of [hidden, vocab] */
-    const LlamaLayer *layers;
-} LlamaModel;
-
-/* One step's packed batch, as the runner lays it out for paged_attention. */
-typedef struct {
-    const int64_t *ids, *positions, *slots, *logits_rows;
-    const int32_t *block_tables, *query_start, *seq_lens;
-    int num_tokens, num_seqs, max_blocks, block_size, num_logits;
-} LlamaBatch;
 
 /* Rows of elementwise work below which threads cost more than they save. */
 #define PARALLEL_ROWS 8
@@ -315,4 +269,11 @@ int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, floa
     const int rc = forward(m, b, scratch, logits, greedy_ids, num_threads);
     pool_warm_end();
     return rc;
+}
+
+/* sizeof LlamaLayer, LlamaModel and LlamaBatch, which native.py's ctypes mirrors must match. */
+void llama_struct_sizes(size_t sizes[3]) {
+    sizes[0] = sizeof(LlamaLayer);
+    sizes[1] = sizeof(LlamaModel);
+    sizes[2] = sizeof(LlamaBatch);
 }

@@ -16,7 +16,7 @@
 #include <string.h>
 #include "vexp.h"
 #include "bf16.h"
-#include "pool.h"
+#include "kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #endif

@@ -18,7 +18,7 @@
  * ops (the torch forward path), workers of the pool's own would either take the cores from
  * torch's OpenMP threads (yielding) or pay a wake-up per GEMM (sleeping). */
 #define _GNU_SOURCE
-#include "pool.h"
+#include "kernels.h"
 
 #include <limits.h>
 #include <omp.h>

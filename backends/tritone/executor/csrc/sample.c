@@ -13,7 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include "vexp.h"
-#include "pool.h"
+#include "kernels.h"
 
 #define BLOCK 8
 

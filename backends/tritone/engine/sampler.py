@@ -2,11 +2,11 @@
 
 Each sampled request draws one uniform per step from its own generator, inverted through its
 row's distribution, so a seeded request yields the same tokens whatever else shares the batch.
-Guided requests' logits are first masked to what their grammars allow (tritone.grammar). The
-transforms then follow Hugging Face's logits processors, in the order `generate` applies them:
-repetition penalty (over prompt and output tokens), presence and frequency penalties (output
-tokens, as in vLLM), bad words and min_tokens bans; then, for sampled rows, temperature, top-k,
-top-p over what top-k kept, min-p.
+Guided requests' logits are first masked to what their grammars allow
+(tritone.scheduling.grammar). The transforms then follow Hugging Face's logits processors, in the
+order `generate` applies them: repetition penalty (over prompt and output tokens), presence and
+frequency penalties (output tokens, as in vLLM), bad words and min_tokens bans; then, for sampled
+rows, temperature, top-k, top-p over what top-k kept, min-p.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 
 from tritone.executor.kernels import argmax_rows, sample_rows, top_p_rows
-from tritone.request import Request
+from tritone.scheduling.request import Request
 
 _NEG_INF = float("-inf")
 
@@ -48,7 +48,7 @@ def needs_logits(requests: list[Request]) -> bool:
 
 class Sampler:
     def __init__(self, grammars=None):
-        # tritone.grammar.Grammars: masks the logits of guided requests.
+        # tritone.scheduling.grammar.Grammars: masks the logits of guided requests.
         self.grammars = grammars
 
     def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:

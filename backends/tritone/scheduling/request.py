@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from tritone.grammar import Guide
+from tritone.scheduling.grammar import Guide
 
 
 class FinishReason(str, enum.Enum):
@@ -47,7 +47,8 @@ class SamplingParams:
     seed: int | None = None
     bad_token_ids: list[list[int]] = field(default_factory=list)
     return_log_probs: bool = False
-    # Constrains the output to a JSON schema, regex, grammar or structural tag (tritone.grammar).
+    # Constrains the output to a JSON schema, regex, grammar or structural tag
+    # (tritone.scheduling.grammar).
     guide: "Guide | None" = None
 
     @property

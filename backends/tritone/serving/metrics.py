@@ -6,7 +6,7 @@ It is handed Triton's Python-backend utilities module, so this package never imp
 
 from __future__ import annotations
 
-from tritone.engine import PHASES, LLMEngine
+from tritone.engine.core import PHASES, LLMEngine
 
 _LATENCY_BUCKETS = [0.005, 0.01, 0.02, 0.04, 0.08, 0.15, 0.3, 0.6, 1.2, 2.5, 5.0, 10.0, 30.0]
 

@@ -16,10 +16,13 @@ from typing import Callable
 import numpy as np
 
 from tritone.config import EngineConfig
-from tritone.engine import AsyncEngine, LLMEngine
-from tritone.flow import FlowBoard
-from tritone.request import FinishReason, RequestOutput
-from tritone.serving import LLMRequest, ResponseStream, end_process, error_message
+from tritone.engine.async_engine import AsyncEngine
+from tritone.engine.core import LLMEngine
+from tritone.scheduling.request import FinishReason, RequestOutput
+from tritone.serving.flow import FlowBoard
+from tritone.serving.inputs import LLMRequest
+from tritone.serving.lifecycle import end_process
+from tritone.serving.responses import ResponseStream, error_message
 from tritone.text import Detokenizer
 
 # How often client cancellations may be looked for: once a step, but no more than every 0.1 s,
@@ -56,7 +59,7 @@ class EngineFrontend:
     def launch(self, config: EngineConfig, make_metrics: Callable[[LLMEngine], object] | None = None) -> None:
         """Starts the engine (its thread builds the model, and this waits for it) and the
         watchers; `make_metrics(engine)` gives what reports the engine's metrics."""
-        self.engine = AsyncEngine.launch(lambda: LLMEngine(config), self.send, on_fatal=end_process)
+        self.engine = AsyncEngine(lambda: LLMEngine(config), self.send, on_fatal=end_process)
         threading.Thread(target=self.watch_cancellations, name="tritone-cancellations", daemon=True).start()
         if make_metrics is not None:
             metrics = make_metrics(self.engine.engine)

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from tritone.serving import Getter, LLMRequest, Postprocessor, Preprocessor, parse_llm_request
+from tritone.serving.inputs import Getter, LLMRequest, parse_llm_request
+from tritone.serving.processing import Postprocessor, Preprocessor
 
 
 class InlineText:

@@ -12,9 +12,9 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from tritone.block_manager import BlockManager
 from tritone.config import EngineConfig
-from tritone.request import FinishReason, Request, RequestStatus
+from tritone.scheduling.block_manager import BlockManager
+from tritone.scheduling.request import FinishReason, Request, RequestStatus
 
 
 @dataclass(slots=True)

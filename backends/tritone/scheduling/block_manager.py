@@ -20,7 +20,7 @@ from collections import OrderedDict, deque
 from dataclasses import dataclass
 from typing import Sequence
 
-from tritone.request import Request
+from tritone.scheduling.request import Request
 
 
 @dataclass(slots=True)

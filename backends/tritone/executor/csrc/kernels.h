@@ -1,0 +1,97 @@
+/* What the kernels' C files share: every function the library exports and the native forward
+ * pass's structures, declared once. Each C file includes it, so that the compiler checks every
+ * definition against its declaration and every call against it. Python cannot read a header:
+ * kernels.py gives ctypes the functions' signatures and native.py mirrors the structures, both by
+ * hand from this file (test_executor checks the structures' sizes against the library's). */
+#ifndef TRITONE_KERNELS_H
+#define TRITONE_KERNELS_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* The kernels' threads (pool.c). */
+
+/* Runs fn(ctx, thread, num_threads) for thread = 0 .. num_threads - 1, thread 0 on the caller,
+ * and returns when every call has returned: on the pool's threads inside a native forward pass
+ * (pool_warm_begin), else on OpenMP's team. fn takes its work from a shared counter (pool_next),
+ * never a share fixed by thread, so that it does all of it whatever num_threads it gets: a call
+ * made while the pool is busy (from another thread, or from inside fn) runs fn once on the
+ * caller, with num_threads 1. */
+void pool_run(void (*fn)(void *ctx, int thread, int num_threads), void *ctx, int num_threads);
+
+/* body(ctx, i) for i in [0, n), the indices taken in chunks from a shared counter; on the caller
+ * alone where n < min_parallel. */
+void pool_for(int64_t n, int64_t min_parallel, void (*body)(void *ctx, int64_t i), void *ctx, int num_threads);
+
+/* Around a native forward pass, whose sections then run on the pool. */
+void pool_warm_begin(void);
+void pool_warm_end(void);
+
+/* The next index of a shared counter, for fn's that take their work items from one. */
+static inline int pool_next(int *counter) { return __atomic_fetch_add(counter, 1, __ATOMIC_RELAXED); }
+
+/* Linear layers on weights packed in column panels, fp32 and bf16 (gemm.c). */
+int gemm_bf16_supported(void);
+void to_bf16_rows(const float *x, uint16_t *out, int M, int K, int num_threads);
+void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
+              int num_threads);
+void gemm_bf16(const uint16_t *a, const uint16_t *panels, const float *bias, float *c, int M, int K, int N,
+               int num_threads);
+int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, int K, int N, int num_threads);
+int gemm_bf16_argmax(const uint16_t *a, const uint16_t *panels, int64_t *out, int M, int K, int N,
+                     int num_threads);
+
+/* Attention over the paged KV cache (paged_attention.c). */
+int paged_attention(const float *q, const void *k_cache, const void *v_cache,
+                    const int32_t *block_tables, const int32_t *query_start, const int32_t *seq_lens,
+                    float *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                    int block_size, int max_blocks, float scale, int is_bf16, int num_threads);
+
+/* The sampler's row work (argmax.c, sample.c). */
+void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads);
+void sample_rows(const float *x, int64_t rows, int64_t n, const float *inv_temp, const double *u, int64_t *out,
+                 int num_threads);
+int top_p_rows(float *x, int64_t rows, int64_t n, const float *top_p, int num_threads);
+
+/* The Llama family's forward pass (llama.c). */
+
+/* One decoder layer's weights: norms and biases as float32 vectors, linears as gemm.c's panels of
+ * the model's dtype; biases, q_norm and k_norm may be NULL. k_cache, v_cache: [num_slots,
+ * num_kv_heads, head_dim] of the model's dtype. */
+typedef struct {
+    const float *input_norm;
+    const void *qkv;
+    const float *qkv_bias, *q_norm, *k_norm;
+    const void *o;
+    const float *o_bias, *post_norm;
+    const void *gate_up;
+    const float *gate_up_bias;
+    const void *down;
+    const float *down_bias;
+    void *k_cache, *v_cache;
+} LlamaLayer;
+
+typedef struct {
+    int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, vocab;
+    int bf16;                /* weights' panels, embeddings and KV cache in bf16, else float32 */
+    float eps, scale;
+    const void *embed;       /* [vocab, hidden] */
+    const float *rope;       /* [max_positions, head_dim]: cos in the first half, sin in the second */
+    const float *final_norm; /* [hidden] */
+    const void *lm_head;     /* panels of [hidden, vocab] */
+    const LlamaLayer *layers;
+} LlamaModel;
+
+/* One step's packed batch, as the runner lays it out for paged_attention. */
+typedef struct {
+    const int64_t *ids, *positions, *slots, *logits_rows;
+    const int32_t *block_tables, *query_start, *seq_lens;
+    int num_tokens, num_seqs, max_blocks, block_size, num_logits;
+} LlamaBatch;
+
+size_t llama_scratch_floats(const LlamaModel *m, int num_tokens);
+int llama_forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, float *logits, int64_t *greedy_ids,
+                  int num_threads);
+void llama_struct_sizes(size_t sizes[3]);
+
+#endif

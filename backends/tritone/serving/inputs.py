@@ -1,0 +1,222 @@
+"""What Triton hands a model, read and checked without importing Triton: a request's input
+tensors (to the engine's types) and the model config's parameters.
+
+The model adapters hand in a getter `get(name) -> np.ndarray | None` for the request's inputs,
+so all parsing and validation is tested here; a field that is not valid raises ValueError naming it.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Callable
+
+import numpy as np
+
+from tritone.scheduling.grammar import Guide
+from tritone.scheduling.request import SamplingParams
+from tritone.text import from_word_list_tensor
+
+Getter = Callable[[str], "np.ndarray | None"]
+
+
+def triton_getter(pb_utils, request) -> Getter:
+    """Reads a Triton request's inputs without the batch dimension (one request per row)."""
+    def get(name):
+        tensor = pb_utils.get_input_tensor_by_name(request, name)
+        return None if tensor is None else tensor.as_numpy()[0]
+    return get
+
+
+# Stop words are matched on every response's text, and bad words ban token sequences at every
+# step: a request may not make that work unbounded.
+MAX_WORDS = 256
+MAX_WORDS_BYTES = 16384
+
+
+def scalar(get: Getter, name: str, default=None):
+    """The single value of an optional input, or `default` when the request leaves it out."""
+    array = get(name)
+    if array is None:
+        return default
+    if array.size != 1:
+        raise ValueError(f"{name.lower()} must hold exactly one value, got shape {list(array.shape)}")
+    value = array.reshape(-1)[0]
+    if isinstance(value, (bytes, np.bytes_)):
+        return value.decode("utf-8")
+    return value.item() if hasattr(value, "item") else value
+
+
+def text_list(get: Getter, name: str) -> list[str]:
+    """An optional list of strings (stop words, bad words), UTF-8 checked."""
+    array = get(name)
+    if array is None:
+        return []
+    items = array.reshape(-1).tolist()
+    if len(items) > MAX_WORDS:
+        raise ValueError(f"{name.lower()} holds {len(items)} words, over the limit of {MAX_WORDS}")
+    if sum(len(item) for item in items) > MAX_WORDS_BYTES:
+        raise ValueError(f"{name.lower()} holds more than {MAX_WORDS_BYTES} bytes in all")
+    words = []
+    for item in items:
+        try:
+            word = item.decode("utf-8") if isinstance(item, bytes) else str(item)
+        except UnicodeDecodeError:
+            raise ValueError(f"{name.lower()} holds bytes that are not valid UTF-8") from None
+        if word == "":
+            raise ValueError(f"{name.lower()} holds an empty string")
+        words.append(word)
+    return words
+
+
+def decode_text(raw, name: str = "text_input", max_bytes: int = 0) -> str:
+    if max_bytes and len(raw) > max_bytes:
+        raise ValueError(f"{name} is {len(raw)} bytes long, over the limit of {max_bytes} bytes")
+    try:
+        text = raw.decode("utf-8") if isinstance(raw, (bytes, np.bytes_)) else str(raw)
+    except UnicodeDecodeError:
+        raise ValueError(f"{name} is not valid UTF-8") from None
+    if not text:
+        raise ValueError(f"{name} is empty")
+    return text
+
+
+def parse_messages(raw, max_bytes: int = 0) -> list[dict]:
+    """Chat messages from the `messages` input: a JSON list of {"role": ..., "content": ...}; an
+    assistant message may hold `tool_calls` instead of content, and a tool's answer its
+    `tool_call_id` (OpenAI's shapes, which tool-aware chat templates read)."""
+    messages = _json_input(raw, "messages", max_bytes)
+    if not isinstance(messages, list) or not messages:
+        raise ValueError('messages must be a non-empty JSON list of {"role": ..., "content": ...} objects')
+    for i, message in enumerate(messages):
+        if not (isinstance(message, dict) and isinstance(message.get("role"), str)):
+            raise ValueError(f"messages[{i}] must be an object with a string role and a string content")
+        content = message.get("content")
+        if not isinstance(content, str) and not (content is None and message.get("tool_calls")):
+            raise ValueError(f"messages[{i}] must be an object with a string role and a string content")
+        if "tool_calls" in message and not isinstance(message["tool_calls"], list):
+            raise ValueError(f"messages[{i}].tool_calls must be a list")
+    return messages
+
+
+def parse_tools(raw, max_bytes: int = 0) -> list[dict]:
+    """The `tools` input: a JSON list of OpenAI function tools, as chat templates take them."""
+    tools = _json_input(raw, "tools", max_bytes)
+    if not isinstance(tools, list):
+        raise ValueError('tools must be a JSON list of {"type": "function", "function": {...}} objects')
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+            raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    return tools
+
+
+def _json_input(raw, name: str, max_bytes: int):
+    text = decode_text(raw, name, max_bytes)
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{name} is not valid JSON: {exc}") from None
+
+
+@dataclass(slots=True)
+class LLMRequest:
+    prompt_ids: list[int]
+    params: SamplingParams
+    stream: bool
+    exclude_input_in_output: bool
+    skip_special_tokens: bool
+    # Matched on the generated text by ResponseStream; the engine knows nothing of them.
+    stop_words: list[str] = field(default_factory=list)
+    # Postprocessing marks the chunks on the flow board (a stream of the ensemble).
+    flow_control: bool = False
+
+
+def parse_llm_request(get: Getter) -> LLMRequest:
+    """Reads the `llm` model's inputs; raises ValueError naming the field."""
+    input_ids = get("INPUT_IDS")
+    if input_ids is None:
+        raise ValueError("input_ids is missing")
+    max_tokens = scalar(get, "MAX_TOKENS")
+    if max_tokens is None:
+        raise ValueError("max_tokens is missing")
+    temperature = scalar(get, "TEMPERATURE")
+    top_k = scalar(get, "TOP_K", 0)
+    top_p = scalar(get, "TOP_P", 1.0)
+    if temperature is None:
+        # As in TensorRT-LLM: a request that sets no sampling input is decoded greedily.
+        temperature = 1.0 if get("TOP_K") is not None or get("TOP_P") is not None else 0.0
+    seed = scalar(get, "SEED", scalar(get, "RANDOM_SEED"))
+    params = SamplingParams(
+        max_tokens=int(max_tokens),
+        temperature=float(temperature),
+        top_k=int(top_k),
+        top_p=float(top_p),
+        min_p=float(scalar(get, "MIN_P", 0.0)),
+        repetition_penalty=float(scalar(get, "REPETITION_PENALTY", 1.0)),
+        presence_penalty=float(scalar(get, "PRESENCE_PENALTY", 0.0)),
+        frequency_penalty=float(scalar(get, "FREQUENCY_PENALTY", 0.0)),
+        min_tokens=int(scalar(get, "MIN_TOKENS", scalar(get, "MIN_LENGTH", 0))),
+        end_id=None if get("END_ID") is None else int(scalar(get, "END_ID")),
+        seed=None if seed is None else int(seed),
+        bad_token_ids=_word_ids(get, "BAD_WORDS_IDS"),
+        return_log_probs=bool(scalar(get, "RETURN_LOG_PROBS", False)),
+        guide=parse_guide(get),
+    )
+    return LLMRequest(
+        prompt_ids=input_ids.reshape(-1).tolist(),
+        params=params,
+        stream=bool(scalar(get, "STREAM", False)),
+        exclude_input_in_output=bool(scalar(get, "EXCLUDE_INPUT_IN_OUTPUT", True)),
+        skip_special_tokens=bool(scalar(get, "SKIP_SPECIAL_TOKENS", True)),
+        stop_words=text_list(get, "STOP_WORDS"),
+        flow_control=bool(scalar(get, "FLOW_CONTROL", False)),
+    )
+
+
+def parse_guide(get: Getter) -> Guide | None:
+    """TensorRT-LLM's guided decoding inputs: guided_decoding_guide_type (json, json_schema,
+    regex, ebnf_grammar, structural_tag) and guided_decoding_guide (the schema, regex, grammar or
+    tag; none for json). The guide is checked when the engine takes the request."""
+    guide_type = scalar(get, "GUIDED_DECODING_GUIDE_TYPE")
+    guide = scalar(get, "GUIDED_DECODING_GUIDE")
+    if guide_type is None:
+        if guide is not None:
+            raise ValueError("guided_decoding_guide needs guided_decoding_guide_type")
+        return None
+    return Guide(str(guide_type), "" if guide is None else str(guide))
+
+
+def abort_target(get: Getter) -> tuple[int | None, str | None] | None:
+    """A control request's target: (engine key, None) or (None, Triton request id); None for a
+    generation request."""
+    key, request_id = get("ABORT_KEY"), get("ABORT_REQUEST_ID")
+    if key is not None:
+        return int(key.reshape(-1)[0]), None
+    if request_id is not None:
+        return None, decode_text(request_id.reshape(-1)[0], "abort_request_id")
+    return None
+
+
+def _word_ids(get: Getter, name: str) -> list[list[int]]:
+    array = get(name)
+    return [] if array is None else from_word_list_tensor(array)
+
+
+def model_parameters(model_config: dict) -> dict[str, str]:
+    """A Triton model config's `parameters` as plain strings."""
+    return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
+
+
+def is_set(value: str | None) -> bool:
+    """An unfilled `${template}` or empty parameter counts as unset."""
+    return bool(value) and not value.startswith("${")
+
+
+def stream_interval(params: dict[str, str]) -> int:
+    """The `stream_interval` parameter: tokens per streamed response (default 1)."""
+    raw = params.get("stream_interval")
+    value = int(raw) if is_set(raw) else 1
+    if value < 1:
+        raise ValueError(f"stream_interval must be at least 1, got {value}")
+    return value

@@ -1,0 +1,126 @@
+"""The preprocessing and postprocessing models' work on a batch of requests: prompts to token
+ids, and llm responses to text."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from tritone.serving.flow import FlowBoard
+from tritone.serving.inputs import Getter, decode_text, is_set, parse_messages, parse_tools, scalar, text_list
+from tritone.serving.responses import ResponseState
+from tritone.text import Detokenizer
+
+# Prompt text is tokenized before its token count can be checked; this bounds that work.
+DEFAULT_MAX_INPUT_BYTES = 1 << 20
+
+
+class Preprocessor:
+    """The `preprocessing` model's work for a batch of requests: one tokenizer call for all."""
+
+    def __init__(self, params: dict[str, str]):
+        from tritone.text import PromptEncoder
+
+        chat = params.get("chat_template")
+        self.encoder = PromptEncoder(params["model_dir"], chat if is_set(chat) else "auto")
+        limit = params.get("max_input_len")
+        model_limit = params.get("max_model_len")
+        self.max_input_len = int(limit) if is_set(limit) and int(limit) > 0 else (
+            int(model_limit) if is_set(model_limit) and int(model_limit) > 0 else _model_context(params["model_dir"]))
+        max_bytes = params.get("max_input_bytes")
+        self.max_input_bytes = int(max_bytes) if is_set(max_bytes) else DEFAULT_MAX_INPUT_BYTES
+
+    def __call__(self, getters: list[Getter]) -> list["dict[str, np.ndarray] | ValueError"]:
+        from tritone.text import to_word_list_tensor
+
+        results: list = [None] * len(getters)
+        prepared, index = [], []
+        for i, get in enumerate(getters):
+            try:
+                name, prompt = self._prompt(get)
+                flag = scalar(get, "APPLY_CHAT_TEMPLATE")
+                tools = get("TOOLS")
+                tools = None if tools is None else parse_tools(tools.reshape(-1)[0], self.max_input_bytes)
+                text = self.encoder.prepare(prompt, None if flag is None else bool(flag), tools)
+                bad_words = self.encoder.encode_bad_words(text_list(get, "BAD_WORDS"))
+            except ValueError as exc:
+                results[i] = exc
+                continue
+            results[i] = {"BAD_WORDS_IDS": to_word_list_tensor(bad_words)}
+            prepared.append(text)
+            index.append((i, name))
+        for (i, name), ids in zip(index, self.encoder.tokenize(prepared) if prepared else []):
+            if self.max_input_len and len(ids) > self.max_input_len:
+                results[i] = ValueError(f"{name} is {len(ids)} tokens long, over the limit of "
+                                        f"{self.max_input_len} tokens")
+            else:
+                results[i]["INPUT_IDS"] = np.array(ids, dtype=np.int32)
+        return results
+
+    def _prompt(self, get: Getter) -> tuple[str, str | list[dict]]:
+        text, messages = get("TEXT_INPUT"), get("MESSAGES")
+        if text is not None and messages is not None:
+            raise ValueError("give either text_input or messages, not both")
+        if messages is not None:
+            return "messages", parse_messages(messages.reshape(-1)[0], self.max_input_bytes)
+        if text is None:
+            raise ValueError("text_input is missing (or send chat messages as messages)")
+        return "text_input", decode_text(text.reshape(-1)[0], max_bytes=self.max_input_bytes)
+
+
+def _model_context(model_dir: str) -> int:
+    """The model's own context length, so that an over-long prompt fails here, naming its field."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_dir).get_text_config()
+    except (OSError, ValueError):
+        return 0
+    return int(getattr(config, "max_position_embeddings", 0) or 0)
+
+
+class Postprocessor:
+    """The `postprocessing` model's work: text deltas for a batch of llm responses."""
+
+    def __init__(self, detokenizer: Detokenizer, flow: FlowBoard | None = None):
+        self.detokenizer, self.flow = detokenizer, flow
+
+    @classmethod
+    def from_parameters(cls, params: dict[str, str], flow: FlowBoard | None = None) -> "Postprocessor":
+        from tritone.text import load_tokenizer
+
+        return cls(Detokenizer(load_tokenizer(params["model_dir"])), flow)
+
+    def __call__(self, getters: list[Getter]) -> list[dict[str, np.ndarray]]:
+        raw = [get("STATE") for get in getters]
+        states = [ResponseState.read(r) for r in raw]
+        if self.flow is not None:  # first of all: the llm model holds these streams until then
+            self.flow.received([(s.request_key, s.chunk_seq, s.send_seq) for s in states])
+        try:
+            return [self._one(get, state, ResponseState.context_ids(r)) for get, state, r in zip(getters, states, raw)]
+        finally:
+            if self.flow is not None:
+                self.flow.done()
+
+    def _one(self, get: Getter, state: ResponseState, context_ids: list[int]) -> dict[str, np.ndarray]:
+        # Every output tensor is work for this process and tritonserver on every response: the
+        # prompt's count comes with the first and the final one, the finish reason with the final.
+        new_ids = get("TOKEN_IDS").tolist()
+        result = {
+            "TEXT_OUTPUT": np.array([self.text(new_ids, context_ids, state).encode()], np.object_),
+            "OUT_NUM_OUTPUT_TOKENS": np.array([state.num_output_tokens], dtype=np.int32),
+        }
+        if state.is_final or state.num_output_tokens <= len(new_ids):  # all so far: the first
+            result["OUT_NUM_INPUT_TOKENS"] = np.array([state.num_input_tokens], dtype=np.int32)
+        if state.is_final:
+            result["OUT_FINISH_REASON"] = np.array([state.finish_reason.encode()], dtype=np.object_)
+        log_probs = get("LOG_PROBS")
+        if log_probs is not None:  # only for requests that asked for them
+            result["OUT_CUM_LOG_PROBS"] = log_probs[:1]
+            result["OUT_OUTPUT_LOG_PROBS"] = log_probs[1:]
+        return result
+
+    def text(self, new_ids: list[int], context_ids: list[int], state: ResponseState) -> str:
+        text = self.detokenizer.delta(context_ids, new_ids, is_final=state.is_final,
+                                      skip_special_tokens=state.skip_special_tokens)
+        # A stop word begins inside this chunk's text: it ends right before it.
+        return text[:max(0, len(text) - state.num_dropped_chars)]
