@@ -43,6 +43,12 @@ class EngineConfig:
     cuda_graphs: str = "auto"
     # Schedule and prepare step N + 1 while the device computes step N: auto (on CUDA), on, off.
     async_scheduling: str = "auto"
+    # The model split over this many ranks (Megatron-style tensor parallelism: GPUs, or CPU core
+    # sets), each a worker process; and this many independent engines behind the one model, each
+    # request routed to one of them (data parallelism). Above 1, the forward runs in worker
+    # processes (tritone.executor.multiproc).
+    tensor_parallel_size: int = 1
+    data_parallel_size: int = 1
 
     def __post_init__(self):
         if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
@@ -60,7 +66,8 @@ class EngineConfig:
             raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
         if self.cuda_graphs not in ("auto", "off"):
             raise ValueError(f"cuda_graphs must be auto or off, got {self.cuda_graphs!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size"):
+        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
+                     "data_parallel_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("max_model_len", "kv_cache_bytes", "max_queue_len", "seed", "num_threads"):

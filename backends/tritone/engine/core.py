@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 from tritone.config import EngineConfig
 from tritone.engine.sampler import Sampler, needs_logits
-from tritone.executor import ModelRunner
+from tritone.executor import make_runner
 from tritone.executor.step import PendingTokens
 from tritone.scheduling.block_manager import BlockManager
 from tritone.scheduling.grammar import Grammars
@@ -68,9 +68,10 @@ def model_end_ids(model_dir: str, hf_config) -> frozenset[int]:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, engine_index: int = 0):
+        """`engine_index`: which of the data-parallel engines this is (its devices)."""
         self.config = config
-        self.runner = ModelRunner(config)
+        self.runner = make_runner(config, engine_index)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.block_manager, self.runner.max_model_len)
         self.default_end_ids = model_end_ids(config.model, self.runner.hf_config)
@@ -150,6 +151,12 @@ class LLMEngine:
         output = self._output(request, [], [])
         output.error = error
         return output
+
+    def shutdown(self) -> None:
+        """Stops the model's worker processes, where it has any."""
+        shutdown = getattr(self.runner, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None

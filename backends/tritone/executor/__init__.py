@@ -1,6 +1,18 @@
 """The model executor: model definitions, paged attention, compilation and the runner that
 turns a scheduled batch into logits. Nothing here knows about Triton or requests' text."""
 
+from tritone.config import EngineConfig
 from tritone.executor.runner import ModelRunner, kv_bytes_per_token
 
-__all__ = ["ModelRunner", "kv_bytes_per_token"]
+
+def make_runner(config: EngineConfig, engine: int = 0):
+    """The model of engine `engine`: in this process, or, under tensor or data parallelism, in
+    worker processes (a RemoteRunner, whose failures raise multiproc.WorkerDied)."""
+    if config.tensor_parallel_size == 1 and config.data_parallel_size == 1:
+        return ModelRunner(config)
+    from tritone.executor.multiproc import RemoteRunner
+
+    return RemoteRunner(config, engine)
+
+
+__all__ = ["ModelRunner", "kv_bytes_per_token", "make_runner"]

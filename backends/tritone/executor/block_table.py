@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from tritone.executor.step import StepInput
 from tritone.scheduling.request import Request, RequestStatus
 
 
@@ -58,3 +59,36 @@ class BlockTableRows:
                 self.free.append(row)
         if not self.free:
             raise RuntimeError("more running requests than block-table rows")
+
+
+def prepare_step(block_rows: BlockTableRows, block_size: int, batch, sample_rows: list[int]) -> StepInput:
+    """A scheduled batch's model inputs as arrays: flat token ids, positions, a block table and a
+    slot mapping (array work, one loop over the batch's requests), logits at `sample_rows`."""
+    scheduled = batch.scheduled
+    num_seqs = len(scheduled)
+    starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, num_seqs)
+    q_lens = np.fromiter((s.num_tokens for s in scheduled), np.int64, num_seqs)
+    seq_lens = starts + q_lens
+    query_start = np.zeros(num_seqs + 1, dtype=np.int64)
+    np.cumsum(q_lens, out=query_start[1:])
+    num_tokens = int(query_start[-1])
+    bs = block_size
+    max_blocks = int(-(-seq_lens.max() // bs))
+    rows = np.empty(num_seqs, dtype=np.int64)
+    row_of = block_rows.row_of
+    ids = []
+    num_decodes = 0
+    # The one loop over the batch's requests.
+    for i, item in enumerate(scheduled):
+        request, start = item.request, int(starts[i])
+        ids.extend(request.tokens_slice(start, start + item.num_tokens))
+        rows[i] = row_of(request)
+        if item.num_tokens == 1 and num_decodes == i:
+            num_decodes += 1
+    tables = block_rows.table[rows, :max_blocks]
+    seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
+    positions = np.arange(num_tokens) - query_start[seq_of_token] + starts[seq_of_token]
+    slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
+    logits_indices = query_start[1:][sample_rows] - 1
+    return StepInput(np.asarray(ids, dtype=np.int64), positions, slots, tables, query_start.astype(np.int32),
+                     seq_lens.astype(np.int32), logits_indices, num_decodes)

@@ -6,6 +6,8 @@ their libraries on the same cores) is taken again, and never cached if it stays 
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import json
 import logging
@@ -87,10 +89,31 @@ def others_share(measure: Callable[[], T]) -> tuple[T, float]:
 _patience_ends: float | None = None
 
 
+@contextlib.contextmanager
+def _one_measurer():
+    """Held while measuring: one process of the machine at a time (the ranks of a model, or the
+    engines of a server, start together and would otherwise measure each other)."""
+    from tritone.models import cache_root
+
+    path = cache_root() / "hardware" / ".measuring.lock"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
 def uncontended(measure: Callable[[], T], what: str, attempts: int = 3, patience_s: float = 30.0) -> tuple[T, bool]:
     """`measure()` taken while other processes leave the CPU alone, and whether it was. Before each
     of `attempts` tries it waits, up to `patience_s` in all, for a quiet moment; a contended answer
     serves this run, but the caller must not cache it."""
+    with _one_measurer():
+        return _uncontended(measure, what, attempts, patience_s)
+
+
+def _uncontended(measure: Callable[[], T], what: str, attempts: int, patience_s: float) -> tuple[T, bool]:
     global _patience_ends
     now = time.perf_counter()
     if _patience_ends is None:  # one patience per process, shared by all its measurements

@@ -11,6 +11,7 @@ greedy answers in fp32 match theirs token for token.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -151,9 +152,14 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return x * cos + rotated * sin
 
 
+AllReduce = Callable[[torch.Tensor], torch.Tensor]
+
+
 class Attention(nn.Module):
-    def __init__(self, spec: LlamaSpec, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, spec: LlamaSpec, layer_idx: int, dtype: torch.dtype, all_reduce: AllReduce | None = None):
         super().__init__()
+        # Tensor parallel: this rank's heads only, and o_proj's partial sums added over the ranks.
+        self.all_reduce = all_reduce
         # On the CPU wherever the model is: the attention op reads it as a host int, which on a CUDA
         # tensor would be a device sync, forbidden inside a CUDA graph capture.
         self.register_buffer("layer_idx", torch.tensor(layer_idx, device="cpu"), persistent=False)
@@ -175,26 +181,29 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         o = paged_attention(q, k, v, self.layer_idx, self.scale)
-        return self.o_proj(o.reshape(n, self.q_size))
+        o = self.o_proj(o.reshape(n, self.q_size))
+        return o if self.all_reduce is None else self.all_reduce(o)
 
 
 class MLP(nn.Module):
-    def __init__(self, spec: LlamaSpec, dtype: torch.dtype):
+    def __init__(self, spec: LlamaSpec, dtype: torch.dtype, all_reduce: AllReduce | None = None):
         super().__init__()
+        self.all_reduce = all_reduce
         self.intermediate_size = spec.intermediate_size
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, spec.mlp_bias, dtype)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, dtype)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return out if self.all_reduce is None else self.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, spec: LlamaSpec, layer_idx: int, dtype: torch.dtype):
+    def __init__(self, spec: LlamaSpec, layer_idx: int, dtype: torch.dtype, all_reduce: AllReduce | None = None):
         super().__init__()
-        self.self_attn = Attention(spec, layer_idx, dtype)
-        self.mlp = MLP(spec, dtype)
+        self.self_attn = Attention(spec, layer_idx, dtype, all_reduce)
+        self.mlp = MLP(spec, dtype, all_reduce)
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
@@ -208,12 +217,17 @@ class DecoderLayer(nn.Module):
 
 
 class LlamaForCausalLM(nn.Module):
-    def __init__(self, spec: LlamaSpec, rope: torch.Tensor, dtype: torch.dtype):
+    def __init__(self, spec: LlamaSpec, rope: torch.Tensor, dtype: torch.dtype, vocab_range: tuple[int, int] | None = None,
+                 all_reduce: AllReduce | None = None):
+        """`spec`: the model, or under tensor parallelism this rank's part of it
+        (tensor_parallel.local_spec); `vocab_range`: (start, count) of the vocabulary whose
+        embeddings this rank holds, and `all_reduce` what adds the ranks' partial sums."""
         super().__init__()
         self.spec = spec
+        self.vocab_range, self.all_reduce = vocab_range, all_reduce
         self.embed_tokens = nn.Embedding(spec.vocab_size, spec.hidden_size, dtype=dtype)
         self.embed_tokens.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype) for i in range(spec.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(spec, i, dtype, all_reduce) for i in range(spec.num_layers))
         self.norm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         # Its own [hidden, vocab] copy even when tied: the logits GEMM is the largest of a decode
         # step, and it runs fastest in the same layout as the others.
@@ -224,8 +238,9 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; logits_indices: [num_sampled] rows to compute
-        logits at. Returns [num_sampled, vocab] float32."""
-        x = self.embed_tokens(input_ids)
+        logits at. Returns [num_sampled, vocab] float32 (this rank's slice of the vocabulary,
+        padded, under tensor parallelism)."""
+        x = self.embed(input_ids)
         table = self.rope[positions]  # [num_tokens, head_dim]
         half = table.shape[-1] // 2
         cos = torch.cat([table[:, :half], table[:, :half]], dim=-1).to(x.dtype)[:, None, :]
@@ -245,3 +260,12 @@ class LlamaForCausalLM(nn.Module):
         x = (x + residual)[logits_indices]
         x = self.norm(x)
         return self.lm_head(x).float()
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.vocab_range is None:
+            return self.embed_tokens(input_ids)
+        start, count = self.vocab_range
+        local = input_ids - start
+        outside = (local < 0) | (local >= count)
+        x = self.embed_tokens(local.clamp(0, count - 1)).masked_fill(outside[:, None], 0)
+        return self.all_reduce(x)

@@ -1,6 +1,7 @@
 """Loads a checkpoint's safetensors (one file or shards) straight into Tritone's fused
 parameters: q/k/v into the QKV weight's column slices, gate/up into gate_up's, each transposed
-into the [in, out] layout and cast to the model's dtype on the way."""
+into the [in, out] layout and cast to the model's dtype on the way; under tensor parallelism, only
+the rank's slice of each (tensor_parallel.shard_tensor)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 from safetensors import safe_open
 
 from tritone.executor.llama import LlamaForCausalLM
+from tritone.executor.tensor_parallel import Shard, shard_tensor
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 # Checkpoint name -> (our module path inside a layer, shard index in the fused parameter).
@@ -32,8 +34,9 @@ def checkpoint_files(model_dir: str | pathlib.Path) -> list[pathlib.Path]:
     return files
 
 
-def load_weights(model: LlamaForCausalLM, model_dir: str | pathlib.Path) -> None:
-    """Fills every parameter of `model`; raises if the checkpoint lacks one or has extras."""
+def load_weights(model: LlamaForCausalLM, model_dir: str | pathlib.Path, shard: Shard | None = None) -> None:
+    """Fills every parameter of `model` (this rank's part where `shard` is given); raises if the
+    checkpoint lacks one or has extras."""
     params = dict(model.named_parameters())
     filled: set[str] = set()
     embed = None
@@ -45,24 +48,28 @@ def load_weights(model: LlamaForCausalLM, model_dir: str | pathlib.Path) -> None
                 tensor = f.get_tensor(name)
                 if name == "model.embed_tokens.weight":
                     embed = tensor
-                filled.add(_load_one(model, params, name, tensor))
+                filled.add(_load_one(model, params, name, tensor, shard))
     if "lm_head.weight" not in filled:
         if not model.spec.tie_word_embeddings or embed is None:
             raise ValueError(f"{model_dir}: no lm_head.weight and the embeddings are not tied")
-        filled.add(_load_one(model, params, "lm_head.weight", embed))
+        filled.add(_load_one(model, params, "lm_head.weight", embed, shard))
     missing = set(params) - filled
     if missing:
         raise ValueError(f"{model_dir}: the checkpoint lacks {sorted(missing)[:5]}")
 
 
-def _load_one(model, params, name: str, tensor: torch.Tensor) -> str:
+def _load_one(model, params, name: str, tensor: torch.Tensor, rank_shard: Shard | None = None) -> str:
     """Copies one checkpoint tensor into its place; returns the parameter's name."""
     target_name, shard = _target(name)
     if target_name not in params:
         raise ValueError(f"checkpoint tensor {name} has no place in the model")
     param = params[target_name]
+    if rank_shard is not None:
+        tensor = shard_tensor(name, tensor, rank_shard, model.spec.head_dim)
     with torch.no_grad():
-        if shard is None:
+        if tensor is None:  # a bias another rank adds
+            param.zero_()
+        elif shard is None:
             src = tensor.t() if _is_linear_weight(target_name) else tensor
             param.copy_(src)
         else:

@@ -12,6 +12,7 @@ between them fused by hand. It reads the weights of the `LlamaForCausalLM` modul
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 
 import numpy as np
@@ -32,10 +33,14 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
 
 
+_ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
+
+
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("num_layers", "hidden", "intermediate", "num_heads",
-                                                   "num_kv_heads", "head_dim", "vocab", "bf16")] + [
-        ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
+                                                   "num_kv_heads", "head_dim", "vocab", "bf16", "vocab_start",
+                                                   "vocab_rows")] + [
+        ("all_reduce", _ALL_REDUCE), ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, ctypes.c_void_p) for name in ("embed", "rope", "final_norm", "lm_head")] + [
         ("layers", ctypes.POINTER(_Layer))]
 
@@ -67,6 +72,16 @@ def unsupported_reason(model, dtype: torch.dtype, device: torch.device) -> str |
     if kernels.native_library() is None:
         return f"the native kernels did not build ({kernels.missing_reason()})"
     return None
+
+
+def _all_reduce_buffer(all_reduce, views: dict, x, n: int) -> None:
+    address = ctypes.addressof(x.contents)
+    view = views.get((address, n))
+    if view is None:
+        if len(views) > 1024:  # a view per buffer and token count seen: bounded
+            views.clear()
+        view = views[(address, n)] = torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32)
+    all_reduce(view)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -108,10 +123,16 @@ class NativeForward:
         self._layers = layers
         rope, final_norm = model.rope.float().contiguous(), model.norm.weight.float().contiguous()
         self._keep += [rope, model.embed_tokens.weight, final_norm]
+        vocab_start, vocab_rows = model.vocab_range or (0, spec.vocab_size)
+        # Tensor parallel: the C forward calls back here for each all-reduce (2 a layer), which
+        # runs the collective on a tensor over the C buffer (one per buffer, kept).
+        self._all_reduce = _ALL_REDUCE() if model.all_reduce is None else _ALL_REDUCE(
+            functools.partial(_all_reduce_buffer, model.all_reduce, {}))
         self.model = _Model(
             num_layers=spec.num_layers, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            vocab=spec.vocab_size, bf16=int(bf16), eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
+            vocab=spec.vocab_size, bf16=int(bf16), vocab_start=vocab_start, vocab_rows=vocab_rows,
+            all_reduce=self._all_reduce, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
             embed=_ptr(model.embed_tokens.weight), rope=_ptr(rope), final_norm=_ptr(final_norm),
             lm_head=_ptr(self._panels(model.lm_head)), layers=layers)
         self._scratch = torch.empty(0, dtype=torch.float32)

@@ -17,7 +17,8 @@ import torch
 from transformers import AutoConfig
 
 from tritone.config import EngineConfig
-from tritone.executor import attention, block_table, compiler, cuda_graphs, gemm, hardware, llama, native
+from tritone.executor import attention, block_table, compiler, cuda_graphs, gemm, hardware, llama, native, \
+    tensor_parallel
 from tritone.executor.kernels import argmax_rows
 from tritone.executor.loader import load_weights
 from tritone.executor.step import PendingTokens, StepInput
@@ -45,19 +46,61 @@ def _available_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-def build_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int):
-    """Tritone's own model where the architecture is covered, else Hugging Face's modules."""
+def model_shard(hf_config, rank: int, size: int) -> tensor_parallel.Shard:
+    """What rank `rank` of `size` holds of the checkpoint's model (raises naming the flag where the
+    heads do not split)."""
+    text_config = hf_config.get_text_config()
+    num_kv_heads, _ = kv_head_shape(text_config)
+    return tensor_parallel.make_shard(rank, size, text_config.num_attention_heads, num_kv_heads,
+                                      text_config.intermediate_size, text_config.vocab_size)
+
+
+def num_kv_blocks(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device,
+                  shard: tensor_parallel.Shard | None = None) -> int:
+    """KV cache blocks that the budget holds. Under tensor parallelism each rank holds its KV heads'
+    part of every block. kv_cache_bytes is the server's in all, split evenly over the ranks of
+    every engine; kv_cache_fraction is of each GPU's free memory, or of the RAM that a CPU's ranks
+    share."""
+    text_config = hf_config.get_text_config()
+    num_kv_heads, head_dim = kv_head_shape(text_config)
+    ranks = config.tensor_parallel_size * config.data_parallel_size
+    if shard is not None:
+        num_kv_heads = shard.kv_heads[1]
+    per_block = 2 * text_config.num_hidden_layers * num_kv_heads * head_dim * dtype.itemsize * config.block_size
+    if config.kv_cache_bytes:
+        budget = config.kv_cache_bytes // ranks
+    else:
+        budget = int(_available_bytes(device) * config.kv_cache_fraction) // (ranks if device.type == "cpu" else 1)
+    num_blocks = budget // per_block
+    if num_blocks < 1:
+        raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
+    return int(num_blocks)
+
+
+def build_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.device, max_model_len: int,
+                shard: tensor_parallel.Shard | None = None, all_reduce: llama.AllReduce | None = None):
+    """Tritone's own model where the architecture is covered (this rank's part of it under tensor
+    parallelism), else Hugging Face's modules."""
     text_config = hf_config.get_text_config()
     reason = llama.unsupported_reason(text_config)
     if reason is None:
         spec = llama.spec_from_config(text_config, max_model_len)
+        rope = llama.rope_table(text_config, spec)
+        vocab_range = None
+        if shard is not None and shard.size > 1:
+            spec, vocab_range = tensor_parallel.local_spec(spec, shard), shard.vocab
         with torch.device(device):
-            model = llama.LlamaForCausalLM(spec, llama.rope_table(text_config, spec), dtype)
-        load_weights(model, model_dir)
-        logger.info("model definition: Tritone's Llama family (%s)", text_config.architectures[0])
+            model = llama.LlamaForCausalLM(spec, rope, dtype, vocab_range, all_reduce if vocab_range else None)
+        load_weights(model, model_dir, shard if vocab_range else None)
+        logger.info("model definition: Tritone's Llama family (%s)%s", text_config.architectures[0],
+                    f", rank {shard.rank} of {shard.size}: KV heads {shard.kv_heads}, query heads {shard.q_heads}, "
+                    f"MLP columns {shard.intermediate}, vocabulary {shard.vocab}" if vocab_range else "")
         if device.type == "cpu":
             prepack_linears(model, dtype)
         return model.eval()
+    if shard is not None and shard.size > 1:
+        raise ValueError(f"{tensor_parallel.FLAG} {shard.size}: the Hugging Face fallback model ({reason}) runs "
+                         "on one device only")
     from tritone.executor.hf import HFCausalLM
 
     logger.info("model definition: Hugging Face modules (%s)", reason)
@@ -102,7 +145,10 @@ class StepHandle:
 
 
 class ModelRunner:
-    def __init__(self, config: EngineConfig):
+    """The model on one device: the whole model, or one rank's part of it under tensor parallelism
+    (`group`: the ranks' collectives; `num_blocks`: the KV blocks the ranks agreed on)."""
+
+    def __init__(self, config: EngineConfig, group: tensor_parallel.Group | None = None, num_blocks: int = 0):
         self.device = hardware.resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
@@ -113,9 +159,14 @@ class ModelRunner:
         self.vocab_size = text_config.vocab_size
         self.max_model_len = config.max_model_len or text_config.max_position_embeddings
         self.block_size = config.block_size
-        self.num_blocks = self._num_kv_blocks(config)
-        self.model = build_model(config.model, self.hf_config, self.dtype, self.device, self.max_model_len)
+        self.group = group if group is not None and group.size > 1 else None
+        shard = model_shard(self.hf_config, group.rank, group.size) if self.group is not None else None
+        self.num_blocks = num_blocks or num_kv_blocks(config, self.hf_config, self.dtype, self.device, shard)
+        self.model = build_model(config.model, self.hf_config, self.dtype, self.device, self.max_model_len, shard,
+                                 self.group.all_reduce if self.group is not None else None)
         num_kv_heads, head_dim = kv_head_shape(text_config)
+        if shard is not None:
+            num_kv_heads = shard.kv_heads[1]
         # One slot past the last block takes the keys and values of the warm-up's tokens.
         self.spare_slot = self.num_blocks * self.block_size
         self.block_rows = block_table.BlockTableRows(config.max_num_seqs, -(-self.max_model_len // self.block_size))
@@ -124,15 +175,18 @@ class ModelRunner:
              torch.zeros(self.spare_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
             for _ in range(text_config.num_hidden_layers)
         ]
-        self.attention = attention.select_backend(self.device, self.dtype, text_config.num_attention_heads,
-                                                  num_kv_heads, head_dim, self.block_size, config.attention)
+        num_heads = shard.q_heads[1] if shard is not None else text_config.num_attention_heads
+        self.attention = attention.select_backend(self.device, self.dtype, num_heads, num_kv_heads, head_dim,
+                                                  self.block_size, config.attention)
         logger.info("model %s on %s in %s, %d CPU threads, attention %s; KV cache %d blocks of %d tokens",
                     config.model, self.device, self.dtype, torch.get_num_threads(), self.attention.name,
                     self.num_blocks, self.block_size)
         self.compile_seconds = 0.0
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self.native = self._native_forward(config.forward)
-        if self.native is None and compiler.should_compile(config.compile, self.device):
+        if self.native is None and self.group is not None and config.compile != "off":
+            logger.info("torch.compile: off under tensor parallelism (the collectives run eagerly)")
+        elif self.native is None and compiler.should_compile(config.compile, self.device):
             t0 = time.perf_counter()
             if compiler.compile_model(self.model):
                 if self._warm_up():
@@ -180,14 +234,6 @@ class ModelRunner:
         logger.info("forward pass: native, one call per step")
         return native.NativeForward(self.model, self.kv_caches, self.block_size)
 
-    def _num_kv_blocks(self, config: EngineConfig) -> int:
-        per_block = kv_bytes_per_token(self.hf_config, self.dtype) * self.block_size
-        budget = config.kv_cache_bytes or int(_available_bytes(self.device) * config.kv_cache_fraction)
-        num_blocks = budget // per_block
-        if num_blocks < 1:
-            raise ValueError(f"KV cache budget of {budget} bytes holds no block of {per_block} bytes")
-        return int(num_blocks)
-
     def _warm_up(self) -> bool:
         """Runs the compiled model on batches of several sizes so that no request pays for
         compiling; a failure falls back to eager with one log line."""
@@ -221,40 +267,21 @@ class ModelRunner:
 
     def prepare(self, batch: SchedulerOutput, sample_rows: list[int]) -> StepInput:
         """The model's inputs for the scheduled tokens, as arrays, for `execute`."""
-        scheduled = batch.scheduled
-        num_seqs = len(scheduled)
-        starts = np.fromiter((s.request.num_computed_tokens for s in scheduled), np.int64, num_seqs)
-        q_lens = np.fromiter((s.num_tokens for s in scheduled), np.int64, num_seqs)
-        seq_lens = starts + q_lens
-        query_start = np.zeros(num_seqs + 1, dtype=np.int64)
-        np.cumsum(q_lens, out=query_start[1:])
-        num_tokens = int(query_start[-1])
-        bs = self.block_size
-        max_blocks = int(-(-seq_lens.max() // bs))
-        rows = np.empty(num_seqs, dtype=np.int64)
-        row_of = self.block_rows.row_of
-        ids = []
-        num_decodes = 0
-        # The one loop over the batch's requests.
-        for i, item in enumerate(scheduled):
-            request, start = item.request, int(starts[i])
-            ids.extend(request.tokens_slice(start, start + item.num_tokens))
-            rows[i] = row_of(request)
-            if item.num_tokens == 1 and num_decodes == i:
-                num_decodes += 1
-        tables = self.block_rows.table[rows, :max_blocks]
-        seq_of_token = np.repeat(np.arange(num_seqs), q_lens)
-        positions = np.arange(num_tokens) - query_start[seq_of_token] + starts[seq_of_token]
-        slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
-        logits_indices = query_start[1:][sample_rows] - 1
-        return StepInput(np.asarray(ids, dtype=np.int64), positions, slots, tables, query_start.astype(np.int32),
-                         seq_lens.astype(np.int32), logits_indices, num_decodes)
+        return block_table.prepare_step(self.block_rows, self.block_size, batch, sample_rows)
 
     def execute(self, step: StepInput, greedy: bool = False, prev: PendingTokens | None = None) -> torch.Tensor:
         """Computes the scheduled tokens; returns logits [len(sample_rows), vocab] float32 at the
         last scheduled token of each request `batch.scheduled[i]` for i in sample_rows, or where
         `greedy`, those rows' greedy tokens [len(sample_rows)] int64 (the native forward then
         never writes the logits). `prev`: the input tokens the host has not seen yet."""
+        if self.group is not None:
+            # Each rank's logits over its slice of the vocabulary, side by side on the first rank,
+            # which samples (the others return None).
+            logits = self.group.gather_columns(self._forward(step, prev))
+            if logits is None:
+                return None
+            logits = logits[:, :self.vocab_size]
+            return argmax_rows(logits) if greedy else logits
         if greedy and self.native is not None:
             return self._forward(step, prev, greedy=True)
         logits = self._forward(step, prev)

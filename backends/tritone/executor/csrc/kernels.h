@@ -71,9 +71,18 @@ typedef struct {
     void *k_cache, *v_cache;
 } LlamaLayer;
 
+/* Under tensor parallelism: adds x [n] over the ranks, in place (the runner's collective). */
+typedef void (*AllReduceFn)(float *x, int64_t n);
+
+/* One rank's part of the model under tensor parallelism (tensor_parallel.py): num_heads,
+ * num_kv_heads, intermediate and vocab are the rank's, embed holds the vocabulary rows
+ * [vocab_start, vocab_start + vocab_rows), and all_reduce adds the partial sums after o_proj,
+ * down_proj and the embedding; all_reduce NULL: the whole model, vocab_start 0. */
 typedef struct {
     int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, vocab;
     int bf16;                /* weights' panels, embeddings and KV cache in bf16, else float32 */
+    int vocab_start, vocab_rows;
+    AllReduceFn all_reduce;
     float eps, scale;
     const void *embed;       /* [vocab, hidden] */
     const float *rope;       /* [max_positions, head_dim]: cos in the first half, sin in the second */

@@ -150,18 +150,34 @@ static void to_gemm_input_row(const Rows *r, const float *x, int64_t t, int K) {
     if (r->m->bf16) f32_to_bf16_gemm_row(x + (size_t)t * K, r->x_bf16 + (size_t)t * (K + (K & 1)), K);
 }
 
-/* Token t's embedding into the residual, and its first norm. */
-static void embed_row(void *r_, int64_t t) {
+/* Token t's embedding into the residual (zeros where another rank holds its row). */
+static void embed_only_row(void *r_, int64_t t) {
     const Rows *r = r_;
     const LlamaModel *m = r->m;
     const int Hd = m->hidden;
     float *res = r->residual + (size_t)t * Hd;
-    if (m->bf16)
-        bf16_to_f32_row((const uint16_t *)m->embed + (size_t)r->b->ids[t] * Hd, res, Hd);
+    const int64_t row = r->b->ids[t] - m->vocab_start;
+    if (row < 0 || row >= m->vocab_rows)
+        memset(res, 0, sizeof(float) * Hd);
+    else if (m->bf16)
+        bf16_to_f32_row((const uint16_t *)m->embed + (size_t)row * Hd, res, Hd);
     else
-        memcpy(res, (const float *)m->embed + (size_t)r->b->ids[t] * Hd, sizeof(float) * Hd);
-    rms_norm(res, m->layers[0].input_norm, r->normed + (size_t)t * Hd, Hd, m->eps);
+        memcpy(res, (const float *)m->embed + (size_t)row * Hd, sizeof(float) * Hd);
+}
+
+/* The first layer's norm of token t's embedding. */
+static void first_norm_row(void *r_, int64_t t) {
+    const Rows *r = r_;
+    const LlamaModel *m = r->m;
+    const int Hd = m->hidden;
+    rms_norm(r->residual + (size_t)t * Hd, m->layers[0].input_norm, r->normed + (size_t)t * Hd, Hd, m->eps);
     to_gemm_input_row(r, r->normed, t, Hd);
+}
+
+/* Token t's embedding into the residual, and its first norm. */
+static void embed_row(void *r_, int64_t t) {
+    embed_only_row(r_, t);
+    first_norm_row(r_, t);
 }
 
 /* residual += out and normed = norm(residual) with r->norm, at row t. */
@@ -224,7 +240,13 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
     Rows rows = {m, b, 0, 0, residual, normed, out, queries, wide, act, x_bf16, qkv_size, q_size};
     /* The GEMM input that the row work before a linear has already rounded (see to_gemm_input_row). */
     const void *normed_in = m->bf16 ? (const void *)x_bf16 : normed, *act_in = m->bf16 ? (const void *)x_bf16 : act;
-    pool_for(T, PARALLEL_ROWS, embed_row, &rows, num_threads);
+    if (m->all_reduce) {
+        pool_for(T, PARALLEL_ROWS, embed_only_row, &rows, num_threads);
+        m->all_reduce(residual, (int64_t)T * Hd);
+        pool_for(T, PARALLEL_ROWS, first_norm_row, &rows, num_threads);
+    } else {
+        pool_for(T, PARALLEL_ROWS, embed_row, &rows, num_threads);
+    }
     for (int i = 0; i < m->num_layers; i++) {
         const LlamaLayer *l = &m->layers[i];
         rows.l = l;
@@ -235,11 +257,13 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
                                        b->max_blocks, m->scale, m->bf16, num_threads);
         if (rc) return rc;
         linear(m, attn, x_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
+        if (m->all_reduce) m->all_reduce(out, (int64_t)T * Hd);
         rows.norm = l->post_norm;
         pool_for(T, PARALLEL_ROWS, add_norm_row, &rows, num_threads);
         linear_of(m, normed_in, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
         pool_for(T, PARALLEL_ROWS, silu_mul_row, &rows, num_threads);
         linear_of(m, act_in, l->down, l->down_bias, out, T, I, Hd, num_threads);
+        if (m->all_reduce) m->all_reduce(out, (int64_t)T * Hd);
         if (i + 1 < m->num_layers) {
             rows.norm = m->layers[i + 1].input_norm;
             pool_for(T, PARALLEL_ROWS, add_norm_row, &rows, num_threads);
