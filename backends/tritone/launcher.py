@@ -195,6 +195,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--async-scheduling", default="auto", choices=["auto", "on", "off"],
                    help="schedule and prepare step N+1 while the device computes step N (auto: on CUDA, where the "
                         "device runs asynchronously; on CPU each step would only come back one step later)")
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="split the model over this many ranks, each a worker process: GPUs, or equal slices of "
+                        "the CPU cores (Llama-family models; heads split by KV head)")
+    p.add_argument("--data-parallel-size", type=int, default=1,
+                   help="run this many independent engines behind the one llm model, each request sent to the one "
+                        "holding its prompt's prefix or with the most free KV cache (GPUs or CPU core slices: "
+                        "tensor x data parallel size of them)")
     p.add_argument("--stream-interval", type=int, default=1,
                    help="tokens per streamed response, except the first and the last (default 1: every token); "
                         "larger values send fewer responses, each with more text")
@@ -254,6 +261,8 @@ def template_values(args, model_dir: pathlib.Path) -> dict[str, str]:
         "attention": args.attention,
         "cuda_graphs": args.cuda_graphs,
         "async_scheduling": args.async_scheduling,
+        "tensor_parallel_size": args.tensor_parallel_size,
+        "data_parallel_size": args.data_parallel_size,
         "stream_interval": args.stream_interval,
         "enable_prefix_caching": str(not args.no_prefix_caching).lower(),
         "chat_template": args.chat_template,

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from tritone.engine.core import LLMEngine
+from tritone.executor.multiproc import WorkerDied
 from tritone.scheduling.request import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -43,7 +44,8 @@ class AsyncEngine:
     outputs go to `on_output` from a separate sender thread, so sending never holds up a step.
 
     Every request gets exactly one final output. A failed step, add or abort fails the requests
-    the engine holds and the engine goes on. If a thread dies all the same (the failure path
+    the engine holds and the engine goes on; where a model worker process died (tensor or data
+    parallelism), the engine is built again, new workers and all, before it goes on. If a thread dies all the same (the failure path
     itself failed), the engine is dead: `submit` refuses, every request it held is failed, and
     `on_fatal(message)` is called, which the llm model answers by ending its process, so that
     the launcher restarts the server as it does for any dead model process."""
@@ -60,7 +62,8 @@ class AsyncEngine:
         and warming up the model on the caller's thread and stepping it on another would leave
         two teams, more OpenMP threads than cores, and libgomp then parks its workers after
         almost every parallel region instead of letting them spin."""
-        self.on_output, self.on_fatal = on_output, on_fatal
+        self.on_output, self.on_fatal, self._build = on_output, on_fatal, build
+        self.num_restarts = 0
         self._inbox: queue.Queue = queue.Queue()
         self._outbox: queue.Queue = queue.Queue()
         # Held while submitting and while the engine is declared dead, so that no request slips
@@ -125,6 +128,7 @@ class AsyncEngine:
         self._engine_thread.join()
         self._outbox.put(None)
         self._sender_thread.join()
+        self.engine.shutdown()
 
     def _engine_loop(self) -> None:
         try:
@@ -142,6 +146,10 @@ class AsyncEngine:
             if not self._drain_inbox(block=not self.engine.has_unfinished_requests()):
                 return False
             outputs = self.engine.step()
+        except WorkerDied as exc:
+            self._outbox.put(self._fail_all(f"engine error: {exc}"))
+            self._restart()
+            return True
         except Exception as exc:  # a failed step fails its requests, not the server
             logger.exception("engine step failed")
             outputs = self._fail_all(f"engine error: {exc}")
@@ -182,6 +190,17 @@ class AsyncEngine:
             logger.exception("adding request %s failed", item.request_id)
             output = self.engine.abort_request(item.request_id, FinishReason.ERROR, f"engine error: {exc}")
             self._outbox.put([output or _error_output(item, f"engine error: {exc}")])
+
+    def _restart(self) -> None:
+        """A new engine in place of one whose model workers died: its requests have all ended, and
+        its KV cache (prefix cache included) died with them. Requests submitted meanwhile wait in
+        the inbox; if the new engine cannot start, the engine thread dies (see _engine_loop)."""
+        t0 = time.perf_counter()
+        logger.error("a model worker died: restarting the engine")
+        self.engine.shutdown()
+        self.engine = self._build()
+        self.num_restarts += 1
+        logger.warning("engine restarted in %.1f s (restart %d)", time.perf_counter() - t0, self.num_restarts)
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         outputs = [self.engine.abort_request(request_id, FinishReason.ERROR, message)

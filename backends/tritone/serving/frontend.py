@@ -8,6 +8,7 @@ with a fake one (tests/test_frontend.py); the adapters only parse tensors.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 import time
@@ -18,6 +19,7 @@ import numpy as np
 from tritone.config import EngineConfig
 from tritone.engine.async_engine import AsyncEngine
 from tritone.engine.core import LLMEngine
+from tritone.engine.data_parallel import DataParallelEngine
 from tritone.scheduling.request import FinishReason, RequestOutput
 from tritone.serving.flow import FlowBoard
 from tritone.serving.inputs import LLMRequest
@@ -54,15 +56,22 @@ class EngineFrontend:
         self.final_lock = threading.Lock()
         self.ids, self.sends = itertools.count(), itertools.count()
         self.stopping = threading.Event()
-        self.engine: AsyncEngine | None = None
+        self.engine: AsyncEngine | DataParallelEngine | None = None
 
-    def launch(self, config: EngineConfig, make_metrics: Callable[[LLMEngine], object] | None = None) -> None:
-        """Starts the engine (its thread builds the model, and this waits for it) and the
-        watchers; `make_metrics(engine)` gives what reports the engine's metrics."""
-        self.engine = AsyncEngine(lambda: LLMEngine(config), self.send, on_fatal=end_process)
+    def launch(self, config: EngineConfig, make_metrics: Callable[[list[AsyncEngine]], object] | None = None) -> None:
+        """Starts the engine, or the data-parallel engines (each one's thread builds its model, and
+        this waits for them), and the watchers; `make_metrics(engines)` gives what reports their
+        metrics."""
+        if config.data_parallel_size == 1:
+            self.engine = AsyncEngine(lambda: LLMEngine(config), self.send, on_fatal=end_process)
+            engines = [self.engine]
+        else:
+            self.engine = DataParallelEngine([functools.partial(LLMEngine, config, i)
+                                              for i in range(config.data_parallel_size)], self.send, end_process)
+            engines = self.engine.engines
         threading.Thread(target=self.watch_cancellations, name="tritone-cancellations", daemon=True).start()
         if make_metrics is not None:
-            metrics = make_metrics(self.engine.engine)
+            metrics = make_metrics(engines)
             threading.Thread(target=self._report_metrics, args=(metrics,), name="tritone-metrics", daemon=True).start()
 
     @property

@@ -42,7 +42,7 @@ class TritonPythonModel:
         self.frontend = EngineFrontend(pb_utils, Detokenizer(load_tokenizer(params["model_dir"])),
                                        stream_interval(params), flow)
         self.frontend.launch(EngineConfig.from_parameters(params["model_dir"], params),
-                             lambda engine: EngineMetrics(pb_utils, engine))
+                             lambda engines: EngineMetrics(pb_utils, engines))
         exit_when_orphaned()
         # New requests are refused by preprocessing; this reports when the ones held are done.
         Drain(params.get("shutdown_file")).watch(lambda: self.frontend.is_idle, self.frontend.stopping)

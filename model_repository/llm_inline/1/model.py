@@ -32,7 +32,7 @@ class TritonPythonModel:
         self.frontend = EngineFrontend(pb_utils, self.text.detokenizer, stream_interval(params),
                                        outputs=self.text.outputs)
         self.frontend.launch(EngineConfig.from_parameters(params["model_dir"], params),
-                             lambda engine: EngineMetrics(pb_utils, engine, "llm_inline"))
+                             lambda engines: EngineMetrics(pb_utils, engines, "llm_inline"))
         exit_when_orphaned()
         self.drain = Drain(params.get("shutdown_file"))
         self.drain.watch(lambda: self.frontend.is_idle, self.frontend.stopping)
