@@ -2,9 +2,11 @@
 scheduler, KV cache and worker processes) behind the one `llm` model, as one AsyncEngine.
 
 A request goes to the engine that already holds its prompt's longest cached prefix, where one
-does and has room for it; otherwise to the engine with the most free KV blocks, less the blocks
-of the requests sent to it that it has not started yet (so that a burst spreads instead of
-landing on the engine that looked emptiest before it).
+does, the prefix is at least half the prompt's blocks, that engine has room for it, and it does
+not hold many more requests than the least loaded engine (so that a system prompt that every
+request shares does not send them all to one engine); otherwise to the engine with the most free
+KV blocks, less the blocks of the requests sent to it that it has not started yet (so that a
+burst spreads instead of landing on the engine that looked emptiest before it).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ from tritone.scheduling.request import FinishReason, RequestOutput, SamplingPara
 MAX_REMEMBERED_BLOCKS = 1 << 16
 # Prompt blocks hashed per request at most: a prefix longer than this routes by its start.
 MAX_HASHED_BLOCKS = 64
+# Requests an engine may hold beyond the least loaded one's and still get a prefix it caches.
+BALANCE_SLACK = 8
 
 
 def prompt_block_hashes(prompt_ids: list[int], block_size: int) -> list[bytes]:
@@ -88,11 +92,15 @@ class DataParallelEngine:
         with self._lock:
             room = [e.engine.block_manager.num_free_blocks - pending
                     for e, pending in zip(self.engines, self._pending_blocks)]
+            load = [0] * len(self.engines)
+            for index in self._owner.values():
+                load[index] += 1
             chosen = None
-            for h in reversed(hashes):  # the longest remembered prefix
-                index = self._prefixes.get(h)
+            for matched in range(len(hashes), 0, -1):  # the longest remembered prefix
+                index = self._prefixes.get(hashes[matched - 1])
                 if index is not None:
-                    if room[index] >= need and self.engines[index].is_alive:
+                    if (2 * matched >= len(hashes) and room[index] >= need and self.engines[index].is_alive
+                            and load[index] <= min(load) + max(BALANCE_SLACK, min(load) // 4)):
                         chosen = index
                     break
             if chosen is None:
