@@ -76,11 +76,15 @@ def main() -> None:
     p.add_argument("--dtype", default="auto")
     p.add_argument("--temperature", type=float, default=0.0, help="0 (default): greedy")
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--tensor-parallel-size", type=int, default=1,
+                   help="the model over this many ranks, each a worker process (default 1: in this process)")
     p.add_argument("--requests-per-level", type=int, default=0,
                    help="0: max(4, 2 x concurrency), at most 256 (scripts/benchmark's default)")
     args = p.parse_args()
-    engine = LLMEngine(EngineConfig(model=str(resolve_model(args.model)), dtype=args.dtype))
-    print(f"engine in process: {engine.runner.dtype}, prompt {args.prompt_len} tokens, "
+    engine = LLMEngine(EngineConfig(model=str(resolve_model(args.model)), dtype=args.dtype,
+                                    tensor_parallel_size=args.tensor_parallel_size))
+    where = "in process" if args.tensor_parallel_size == 1 else f"over {args.tensor_parallel_size} worker processes"
+    print(f"engine {where}: {engine.runner.dtype}, prompt {args.prompt_len} tokens, "
           f"output {args.output_len}, end of sequence ignored, temperature {args.temperature}, top-p {args.top_p}")
     print("| concurrency | output tok/s | decode step (ms) | step with prompt tokens (ms) | share of such steps | "
           + " | ".join(p for p in PHASES if p != "send") + " |")
@@ -94,6 +98,7 @@ def main() -> None:
         print(f"| {c} | {r['tok_s']:.1f} | {r['decode_step_ms']:.1f} | {r['prefill_step_ms']:.1f} | "
               f"{r['prefill_share']:.2f} | " + " | ".join(f"{v:.2f}" for v in r["phase_ms"].values()) + " |",
               flush=True)
+    engine.shutdown()
 
 
 if __name__ == "__main__":

@@ -7,7 +7,11 @@
    vocabulary so that its tokenizer serves it) at batch 1, 64 and 256 with 512 tokens of context
    each, in-process, replayed from CUDA graphs and eagerly;
 3. that model served: scripts/benchmark at concurrency 1 and 256 (output tok/s, latencies and
-   forward-busy), unless --no-serve.
+   forward-busy), unless --no-serve;
+4. where two GPUs or more are visible (it says so where not): tensor parallelism at 2 (the
+   default model's greedy tokens at TP=2 against TP=1 on the GPUs, NCCL; the 8B-shaped model's
+   decode-step time at TP=2 against TP=1, through the worker processes) and data parallelism at
+   2 (the 8B-shaped model served at concurrency 256, DP=2 against DP=1), unless --no-serve.
 
 It has not yet run on a GPU: no GPU was available where it was written. Report its output.
 """
@@ -123,14 +127,87 @@ def step_times(model_dir: pathlib.Path, batches: list[int], context: int) -> dic
     return times
 
 
-def serve(model_dir: pathlib.Path, json_path: pathlib.Path) -> dict:
+def serve(model_dir: pathlib.Path, json_path: pathlib.Path, concurrency=("1", "256"), extra: str = "") -> dict:
     """scripts/benchmark against the 8B-shaped model served on the GPU: its own report, printed."""
-    cmd = [str(ROOT / "scripts" / "benchmark"), "--model", str(model_dir), "--concurrency", "1", "256",
+    cmd = [str(ROOT / "scripts" / "benchmark"), "--model", str(model_dir), "--concurrency", *concurrency,
            "--hf-batches", "--dtype", "bfloat16", "--output-len", "128", "--json", str(json_path),
-           "--server-args", "--device cuda --max-num-seqs 256 --openai-port 0"]
+           "--server-args", f"--device cuda --max-num-seqs 256 --openai-port 0 {extra}".strip()]
     print("served: " + " ".join(cmd), flush=True)
     subprocess.run(cmd, check=True)
     return json.loads(json_path.read_text())["tritone"]
+
+
+def tp_parity(max_tokens: int) -> bool:
+    """The default model's greedy tokens in fp32 at TP=2 against TP=1, batched, on the GPUs."""
+    from tritone.config import EngineConfig
+    from tritone.engine.core import LLMEngine
+    from tritone.models import prepare_default_model
+    from tritone.scheduling.request import SamplingParams
+
+    model_dir = prepare_default_model()
+    prompts = [[1, 504, 3458, 282, 4649, 314], list(range(100, 140)), [42] * 7]
+    got = {}
+    for tp in (1, 2):
+        engine = LLMEngine(EngineConfig(model=str(model_dir), device="cuda", dtype="float32", kv_cache_bytes=1 << 30,
+                                        tensor_parallel_size=tp))
+        for i, p in enumerate(prompts):
+            engine.add_request(str(i), p, SamplingParams(max_tokens=max_tokens, end_id=-1))
+        out = {str(i): [] for i in range(len(prompts))}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                out[o.request_id] += o.new_token_ids
+        got[tp] = out
+        engine.shutdown()
+        del engine
+        torch.cuda.empty_cache()
+    same = got[1] == got[2]
+    print(f"TP=2 parity: greedy tokens {'equal to' if same else 'DIFFERENT from'} TP=1", flush=True)
+    return same
+
+
+def tp_step_times(model_dir: pathlib.Path, batches: list[int], context: int) -> dict[int, dict[int, float]]:
+    """Decode-step time of the model at TP=1 and TP=2, each through the worker processes (the step
+    sent to every rank, the greedy tokens back), so that the two differ only by the split."""
+    from tritone.config import EngineConfig
+    from tritone.executor.multiproc import RemoteRunner
+    from tritone.executor.step import StepInput
+
+    times = {}
+    for tp in (1, 2):
+        # data_parallel_size 2 at TP=1 puts the model in a worker too; only engine 0 is built.
+        runner = RemoteRunner(EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16",
+                                           kv_cache_fraction=0.5, max_num_seqs=max(batches), tensor_parallel_size=tp,
+                                           data_parallel_size=2 if tp == 1 else 1))
+        times[tp] = {}
+        for batch in batches:
+            bs = runner.block_size
+            blocks = -(-context // bs)
+            tables = np.arange(batch * blocks, dtype=np.int32).reshape(batch, blocks) % runner.num_blocks
+            slots = tables[:, (context - 1) // bs].astype(np.int64) * bs + (context - 1) % bs
+            step = StepInput(np.zeros(batch, np.int64), np.full(batch, context - 1, np.int64), slots, tables,
+                             np.arange(batch + 1, dtype=np.int32), np.full(batch, context, np.int32),
+                             np.arange(batch), batch)
+            runner.execute(step, greedy=True)
+            t0 = time.perf_counter()
+            for _ in range(10):
+                runner.execute(step, greedy=True)
+            times[tp][batch] = (time.perf_counter() - t0) / 10
+            print(f"TP={tp} decode step, batch {batch}, context {context}: {1000 * times[tp][batch]:.2f} ms", flush=True)
+        runner.shutdown()
+    return times
+
+
+def multi_gpu(args, model_dir: pathlib.Path, tmp: str) -> dict:
+    count = torch.cuda.device_count()
+    if count < 2:
+        print(f"multi-GPU part: skipped, {count} GPU visible (tensor and data parallelism need 2)", flush=True)
+        return {"skipped": f"{count} GPU visible"}
+    figures = {"tp_parity": tp_parity(args.max_tokens),
+               "tp_step_seconds": tp_step_times(model_dir, args.batches, args.context)}
+    if not args.no_serve:
+        figures["dp_served"] = {dp: serve(model_dir, pathlib.Path(tmp) / f"dp{dp}.json", ("256",),
+                                          f"--data-parallel-size {dp}") for dp in (1, 2)}
+    return figures
 
 
 def main(argv=None) -> int:
@@ -153,11 +230,12 @@ def main(argv=None) -> int:
         figures["step_seconds"] = step_times(model_dir, args.batches, args.context)
         if not args.no_serve:
             figures["served"] = serve(model_dir, pathlib.Path(tmp) / "served.json")
+        figures["multi_gpu"] = multi_gpu(args, model_dir, tmp)
     print(f"gpu_check done in {time.perf_counter() - t0:.0f} s", flush=True)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(figures, f, indent=2)
-    return 0 if all(figures["parity"].values()) else 1
+    return 0 if all(figures["parity"].values()) and figures["multi_gpu"].get("tp_parity", True) else 1
 
 
 if __name__ == "__main__":

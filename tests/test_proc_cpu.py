@@ -16,6 +16,7 @@ def test_roles_of_both_stacks():
     assert role("VLLM::EngineCor", b"VLLM::EngineCore") == "vllm engine core"
     assert role("VLLM::Worker_TP0", b"python3\x00-c\x00from multiprocessing") == "vllm worker_tp"
     assert role("vllm", b"/venv/bin/python\x00/venv/bin/vllm\x00serve") == "vllm api server"
+    assert role("python3.11", b"/usr/bin/python3.11\x00-m\x00tritone.executor.worker\x00{}") == "llm workers"
     assert role("sh", b"/bin/sh\x00-c") == "other"
 
 

@@ -33,6 +33,8 @@ def role(comm: str, cmdline: bytes) -> str:
         return model.group(1).decode() if model else "python backend"
     if b"tritone.openai" in cmdline:
         return "openai front end"
+    if b"tritone.executor.worker" in cmdline:  # the llm model's ranks under tensor or data parallelism
+        return "llm workers"
     if comm.startswith("VLLM::EngineCor") or b"EngineCore" in cmdline:
         return "vllm engine core"
     if comm.startswith("VLLM::"):  # vLLM names its processes: the model's workers

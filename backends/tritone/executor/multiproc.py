@@ -130,7 +130,7 @@ class RemoteRunner:
     def _start(self, ranks: list[Placement]) -> None:
         config, tp = self.config, len(ranks)
         # The dtype is decided once, here, so that every rank runs the same one.
-        dtype = hardware.resolve_dtype(config.dtype, hardware.resolve_device(ranks[0].device))
+        dtype = self.dtype = hardware.resolve_dtype(config.dtype, hardware.resolve_device(ranks[0].device))
         out_bytes = max(8, config.max_num_seqs * self.vocab_size * 4)
         out_fd = os.memfd_create("tritone-step-output")
         os.ftruncate(out_fd, out_bytes)
