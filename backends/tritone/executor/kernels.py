@@ -23,7 +23,8 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("pool.c", "paged_attention.c", "gemm.c", "argmax.c", "sample.c", "llama.c")]
+_SOURCES = [_CSRC / name for name in ("pool.c", "paged_attention.c", "gemm.c", "argmax.c", "sample.c", "llama.c",
+                                            "shm_comm.c")]
 # Every header, not a list: a header the list missed would leave a stale library in the cache.
 _HEADERS = sorted(_CSRC.glob("*.h"))
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
@@ -95,6 +96,12 @@ def _build() -> ctypes.CDLL:
     lib.llama_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int]
     lib.llama_struct_sizes.restype = None
     lib.llama_struct_sizes.argtypes = [ctypes.c_void_p]
+    lib.shm_comm_bytes.restype = ctypes.c_size_t
+    lib.shm_comm_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
+    lib.shm_comm_init.restype = None
+    lib.shm_comm_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
+    lib.shm_all_reduce.restype = None
+    lib.shm_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
     return lib
 
 

@@ -135,6 +135,13 @@ class RemoteRunner:
         out_fd = os.memfd_create("tritone-step-output")
         os.ftruncate(out_fd, out_bytes)
         self._out = mmap.mmap(out_fd, out_bytes)
+        # The ranks of a CPU engine share a region for their all-reduces and their logits' gather.
+        shm_fd, shm_bytes = None, 0
+        if tp > 1 and ranks[0].device == "cpu":
+            shm_bytes = tensor_parallel.shm_region_bytes(tp, config.max_num_seqs, self.vocab_size)
+            if shm_bytes:
+                shm_fd = os.memfd_create("tritone-tensor-parallel")
+                os.ftruncate(shm_fd, shm_bytes)
         init_method = f"tcp://127.0.0.1:{_free_port()}"
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.exists(p))
@@ -145,13 +152,17 @@ class RemoteRunner:
                                                     num_threads=place.num_threads)
                 spec = {"config": dataclasses.asdict(worker_config), "engine": self.engine_index, "rank": rank,
                         "size": tp, "init_method": init_method, "conn_fd": theirs.fileno(), "cpus": place.cpus,
-                        "out_fd": out_fd, "out_bytes": out_bytes, "parent": os.getpid()}
+                        "out_fd": out_fd, "out_bytes": out_bytes, "parent": os.getpid(), "shm_fd": shm_fd,
+                        "shm_bytes": shm_bytes}
                 fds = (theirs.fileno(), out_fd) if rank == 0 else (theirs.fileno(),)
+                fds += (shm_fd,) if shm_fd is not None else ()
                 self._procs.append(subprocess.Popen([_python(), "-m", "tritone.executor.worker", json.dumps(spec)],
                                                     env=env, pass_fds=fds, stdin=subprocess.DEVNULL))
                 theirs.close()
                 self._conns.append(ours)
             os.close(out_fd)
+            if shm_fd is not None:
+                os.close(shm_fd)
             replies = [self._receive(conn, rank, "starting") for rank, conn in enumerate(self._conns)]
         except BaseException:
             self.shutdown()

@@ -33,14 +33,14 @@ class _Layer(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
 
 
-_ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
+_ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
 
 
 class _Model(ctypes.Structure):
     _fields_ = [(name, ctypes.c_int) for name in ("num_layers", "hidden", "intermediate", "num_heads",
                                                    "num_kv_heads", "head_dim", "vocab", "bf16", "vocab_start",
                                                    "vocab_rows")] + [
-        ("all_reduce", _ALL_REDUCE), ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
+        ("all_reduce", _ALL_REDUCE), ("all_reduce_ctx", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, ctypes.c_void_p) for name in ("embed", "rope", "final_norm", "lm_head")] + [
         ("layers", ctypes.POINTER(_Layer))]
 
@@ -74,7 +74,7 @@ def unsupported_reason(model, dtype: torch.dtype, device: torch.device) -> str |
     return None
 
 
-def _all_reduce_buffer(all_reduce, views: dict, x, n: int) -> None:
+def _all_reduce_buffer(all_reduce, views: dict, ctx, x, n: int) -> None:
     address = ctypes.addressof(x.contents)
     view = views.get((address, n))
     if view is None:
@@ -92,7 +92,8 @@ class NativeForward:
     """Runs `model` over a packed batch with one native call; the caches are the runner's."""
 
     def __init__(self, model: "llama.LlamaForCausalLM", kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int):
+                 block_size: int, group=None):
+        """`group`: the tensor-parallel ranks' tensor_parallel.Group, whose all-reduce the model's is."""
         self.lib = kernels.native_library()
         spec = model.spec
         bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
@@ -124,15 +125,22 @@ class NativeForward:
         rope, final_norm = model.rope.float().contiguous(), model.norm.weight.float().contiguous()
         self._keep += [rope, model.embed_tokens.weight, final_norm]
         vocab_start, vocab_rows = model.vocab_range or (0, spec.vocab_size)
-        # Tensor parallel: the C forward calls back here for each all-reduce (2 a layer), which
-        # runs the collective on a tensor over the C buffer (one per buffer, kept).
-        self._all_reduce = _ALL_REDUCE() if model.all_reduce is None else _ALL_REDUCE(
-            functools.partial(_all_reduce_buffer, model.all_reduce, {}))
+        # Tensor parallel: the C forward calls the group's native all-reduce (shared memory)
+        # directly, or else calls back here, which runs the collective on a tensor over the C
+        # buffer (one per buffer, kept).
+        native_reduce = group.native_all_reduce() if group is not None else None
+        reduce_ctx = None
+        if model.all_reduce is None:
+            self._all_reduce = _ALL_REDUCE()
+        elif native_reduce is not None:
+            self._all_reduce, reduce_ctx = _ALL_REDUCE(native_reduce[0]), native_reduce[1]
+        else:
+            self._all_reduce = _ALL_REDUCE(functools.partial(_all_reduce_buffer, model.all_reduce, {}))
         self.model = _Model(
             num_layers=spec.num_layers, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
             vocab=spec.vocab_size, bf16=int(bf16), vocab_start=vocab_start, vocab_rows=vocab_rows,
-            all_reduce=self._all_reduce, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
+            all_reduce=self._all_reduce, all_reduce_ctx=reduce_ctx, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
             embed=_ptr(model.embed_tokens.weight), rope=_ptr(rope), final_norm=_ptr(final_norm),
             lm_head=_ptr(self._panels(model.lm_head)), layers=layers)
         self._scratch = torch.empty(0, dtype=torch.float32)

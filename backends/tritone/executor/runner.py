@@ -232,7 +232,7 @@ class ModelRunner:
             logger.info("forward pass: torch (the native forward cannot run: %s)", reason)
             return None
         logger.info("forward pass: native, one call per step")
-        return native.NativeForward(self.model, self.kv_caches, self.block_size)
+        return native.NativeForward(self.model, self.kv_caches, self.block_size, self.group)
 
     def _warm_up(self) -> bool:
         """Runs the compiled model on batches of several sizes so that no request pays for

@@ -59,7 +59,8 @@ def main(argv: list[str]) -> int:
         group = None
         num_blocks = 0
         if size > 1:
-            group = tensor_parallel.Group(rank, size, spec["init_method"], device)
+            group = tensor_parallel.Group(rank, size, spec["init_method"], device, spec.get("shm_fd"),
+                                          spec.get("shm_bytes", 0))
             hf_config = AutoConfig.from_pretrained(config.model)
             dtype = hardware.resolve_dtype(config.dtype, device)
             # Every rank's cache has as many blocks as the smallest one holds.

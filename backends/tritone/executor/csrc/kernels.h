@@ -72,17 +72,33 @@ typedef struct {
 } LlamaLayer;
 
 /* Under tensor parallelism: adds x [n] over the ranks, in place (the runner's collective). */
-typedef void (*AllReduceFn)(float *x, int64_t n);
+typedef void (*AllReduceFn)(void *ctx, float *x, int64_t n);
+
+/* All-reduce through shared memory between the ranks of one host (shm_comm.c). */
+typedef struct {
+    int rank, size;
+    int64_t chunk;   /* floats per slot: a longer call goes in pieces */
+    uint64_t calls;  /* this rank's calls so far */
+    void *seq;       /* each rank's published call count, a cache line each */
+    float *data;     /* [size][2][chunk] slots */
+} ShmComm;
+
+size_t shm_comm_bytes(int size, int64_t chunk);
+void shm_comm_init(ShmComm *c, void *base, int rank, int size, int64_t chunk);
+/* An AllReduceFn, ctx a ShmComm; with n == 0, a barrier. */
+void shm_all_reduce(void *ctx, float *x, int64_t n);
 
 /* One rank's part of the model under tensor parallelism (tensor_parallel.py): num_heads,
  * num_kv_heads, intermediate and vocab are the rank's, embed holds the vocabulary rows
  * [vocab_start, vocab_start + vocab_rows), and all_reduce adds the partial sums after o_proj,
- * down_proj and the embedding; all_reduce NULL: the whole model, vocab_start 0. */
+ * down_proj and the embedding, called with all_reduce_ctx; all_reduce NULL: the whole model,
+ * vocab_start 0. */
 typedef struct {
     int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, vocab;
     int bf16;                /* weights' panels, embeddings and KV cache in bf16, else float32 */
     int vocab_start, vocab_rows;
     AllReduceFn all_reduce;
+    void *all_reduce_ctx;
     float eps, scale;
     const void *embed;       /* [vocab, hidden] */
     const float *rope;       /* [max_positions, head_dim]: cos in the first half, sin in the second */

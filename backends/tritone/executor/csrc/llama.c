@@ -242,7 +242,7 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
     const void *normed_in = m->bf16 ? (const void *)x_bf16 : normed, *act_in = m->bf16 ? (const void *)x_bf16 : act;
     if (m->all_reduce) {
         pool_for(T, PARALLEL_ROWS, embed_only_row, &rows, num_threads);
-        m->all_reduce(residual, (int64_t)T * Hd);
+        m->all_reduce(m->all_reduce_ctx, residual, (int64_t)T * Hd);
         pool_for(T, PARALLEL_ROWS, first_norm_row, &rows, num_threads);
     } else {
         pool_for(T, PARALLEL_ROWS, embed_row, &rows, num_threads);
@@ -257,13 +257,13 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
                                        b->max_blocks, m->scale, m->bf16, num_threads);
         if (rc) return rc;
         linear(m, attn, x_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
-        if (m->all_reduce) m->all_reduce(out, (int64_t)T * Hd);
+        if (m->all_reduce) m->all_reduce(m->all_reduce_ctx, out, (int64_t)T * Hd);
         rows.norm = l->post_norm;
         pool_for(T, PARALLEL_ROWS, add_norm_row, &rows, num_threads);
         linear_of(m, normed_in, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
         pool_for(T, PARALLEL_ROWS, silu_mul_row, &rows, num_threads);
         linear_of(m, act_in, l->down, l->down_bias, out, T, I, Hd, num_threads);
-        if (m->all_reduce) m->all_reduce(out, (int64_t)T * Hd);
+        if (m->all_reduce) m->all_reduce(m->all_reduce_ctx, out, (int64_t)T * Hd);
         if (i + 1 < m->num_layers) {
             rows.norm = m->layers[i + 1].input_norm;
             pool_for(T, PARALLEL_ROWS, add_norm_row, &rows, num_threads);
