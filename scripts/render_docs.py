@@ -183,6 +183,26 @@ def runs_table(runs: dict) -> str:
     return "\n".join(lines)
 
 
+def parallel_table(runs: dict) -> str:
+    """`scripts/benchmark` once per parallel layout (`runs`: the command and each run's JSON, by
+    label): throughput, latency and the CPU per output token of the engine's processes."""
+    lines = [f"`{runs.get('command', '')}`, one run after the other:", "",
+             "| layout | concurrency | tok/s | ITL mean (ms) | TTFT mean (s) | llm process | llm workers | text path |",
+             "|---|---|---|---|---|---|---|---|"]
+    for run in runs.get("runs", []):
+        tritone = (run.get("results") or {}).get("tritone") or {}
+        for i, c in enumerate(_levels(tritone)):
+            level, cpu = tritone[c], tritone[c].get("cpu_ms_per_token") or {}
+            lines.append(f"| {run.get('label', NA) if i == 0 else ''} | {c} "
+                         f"| {_number(level.get('output_tokens_per_s'), '.1f')} "
+                         f"| {_number(level.get('itl_mean'), '.1f', 1000.0)} "
+                         f"| {_number(level.get('ttft_mean'), '.2f')} "
+                         + " ".join(f"| {_number(cpu.get(k), '.2f')}" for k in ("llm", "llm workers", "text path"))
+                         + " |")
+    lines += ["", "(CPU: milliseconds per output token, `/proc/<pid>/stat` of each process over the level)"]
+    return "\n".join(lines)
+
+
 # ---------------------------------------------------------------- renderers of code
 
 def _cell(text: str) -> str:
@@ -245,6 +265,7 @@ RENDERERS = {
     "benchmark": Renderer(benchmark_tables, produced_by="scripts/benchmark --peer vllm --hf-batches --json SOURCE"),
     "openai-throughput": Renderer(openai_throughput_table, produced_by="scripts/openai_throughput --json SOURCE"),
     "runs": Renderer(runs_table, produced_by="scripts/benchmark --json, once per run"),
+    "parallel": Renderer(parallel_table, produced_by="scripts/benchmark --json, once per layout"),
     "serve-options": Renderer(serve_options, reads="code"),
 }
 
