@@ -69,13 +69,18 @@ def greedy_matches_hugging_face(client, tokenizer, hf_model):
         assert client.complete(prompt, max_tokens=16, apply_chat_template=False).text == expected
 
 
-@pytest.fixture(scope="module")
-def tp_server(model_dir, tmp_path_factory):
-    srv, log = start_server(tmp_path_factory, "tp2", "--tensor-parallel-size", "2", "--kv-cache-bytes", str(256 << 20))
+def served(tmp_path_factory, name: str, *flags: str):
+    """A server with `flags`, stopped cleanly at the end with no worker left behind."""
+    srv, log = start_server(tmp_path_factory, name, *flags, "--kv-cache-bytes", str(256 << 20))
     yield srv
     assert srv.stop() == 0
     log.close()
     assert not workers(srv)
+
+
+@pytest.fixture(scope="module")
+def tp_server(model_dir, tmp_path_factory):
+    yield from served(tmp_path_factory, "tp2", "--tensor-parallel-size", "2")
 
 
 def test_tensor_parallel_serves_the_same_greedy_text_as_hugging_face(tp_server, tokenizer, hf_model):
@@ -88,11 +93,7 @@ def test_tensor_parallel_serves_the_same_greedy_text_as_hugging_face(tp_server, 
 
 @pytest.fixture(scope="module")
 def dp_server(model_dir, tmp_path_factory):
-    srv, log = start_server(tmp_path_factory, "dp2", "--data-parallel-size", "2", "--kv-cache-bytes", str(256 << 20))
-    yield srv
-    assert srv.stop() == 0
-    log.close()
-    assert not workers(srv)
+    yield from served(tmp_path_factory, "dp2", "--data-parallel-size", "2")
 
 
 def test_data_parallel_engines_both_serve_and_report_metrics(dp_server, tokenizer, hf_model):

@@ -176,7 +176,7 @@ class Group:
         self._lib = lib
         # Measured, not assumed: a decode token's all-reduce both ways, the same calls on every rank.
         x = torch.ones(2048)
-        gloo_s, shm_s = self._time(lambda: dist_all_reduce(self.dist, x)), self._time(lambda: self._shm_reduce(x))
+        gloo_s, shm_s = self._time(lambda: self.dist.all_reduce(x)), self._time(lambda: self._shm_reduce(x))
         choice = torch.tensor([int(shm_s < gloo_s)])
         self.dist.broadcast(choice, src=0)  # rank 0's measurement decides for all
         if choice.item():
@@ -231,16 +231,3 @@ class Group:
         parts = [torch.empty_like(x) for _ in range(self.size)] if self.rank == 0 else None
         self.dist.gather(x, parts, dst=0)
         return torch.cat(parts, dim=1) if parts is not None else None
-
-    def barrier(self) -> None:
-        self.dist.barrier()
-
-    def close(self) -> None:
-        try:
-            self.dist.destroy_process_group()
-        except Exception:
-            pass
-
-
-def dist_all_reduce(dist, x: torch.Tensor) -> None:
-    dist.all_reduce(x)
