@@ -55,3 +55,29 @@ def test_unsupported_head_size_is_refused():
     with pytest.raises(ValueError, match="head sizes"):
         kernels.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
                                 torch.tensor([0, 1], dtype=torch.int32), one, 4, 1.0, torch.empty_like(q))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dim", [64, 48])
+def test_a_tokens_attention_is_the_same_bits_as_a_decode_or_in_any_chunk(dtype, dim):
+    # Seeded sampling depends on it: a prefix-cache hit, a chunked prompt or a batch changes which
+    # path (decode or prompt tile) computes a token, never its result.
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, block_size, ctx = 6, 2, 16, 150
+    num_blocks = -(-ctx // block_size)
+    table = torch.randperm(num_blocks, generator=gen).int()[None]
+    k_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks * block_size, kv_heads, dim, generator=gen).to(dtype)
+    q = torch.randn(ctx, heads, dim, generator=gen)
+
+    def attend(first: int, last: int) -> torch.Tensor:
+        """Query tokens [first, last) as one chunk of the sequence."""
+        out = torch.zeros(last - first, heads, dim)
+        kernels.paged_attention(q[first:last].contiguous(), k_cache, v_cache, table,
+                                torch.tensor([0, last - first], dtype=torch.int32),
+                                torch.tensor([last], dtype=torch.int32), block_size, dim ** -0.5, out)
+        return out
+
+    whole = attend(0, ctx)
+    for first, last in ((0, 1), (63, 64), (64, 65), (149, 150), (100, 101), (5, 70), (64, 150), (130, 150)):
+        assert torch.equal(attend(first, last), whole[first:last]), (first, last)

@@ -152,9 +152,6 @@ static inline float max_of(const float *sr, int n) {
     return max;
 }
 
-/* Softmax weights of n scores in place, unnormalized; returns their sum. */
-static inline float exp_scores(float *sr, int n) { return exp_shifted(sr, n, max_of(sr, n)); }
-
 /* acc = acc * corr + sum over t of p[t] * v_rows[t]: one query row's running output over a
  * block of keys (online softmax). */
 static inline __attribute__((always_inline)) void accumulate_values(const float *p, const void *const *v_rows, int n,
@@ -205,19 +202,6 @@ static inline __attribute__((always_inline)) void scores8_wide(const float *q, c
     _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
 }
 
-/* weighted_values for bf16 rows, D a multiple of 16. */
-static inline __attribute__((always_inline)) void weighted_values_wide(const float *p, const void *const *v_rows,
-                                                                     int n, float sum, float *out, const int D) {
-    __m512 acc[16];
-    for (int i = 0; i < D / 16; i++) acc[i] = _mm512_setzero_ps();
-    for (int t = 0; t < n; t++) {
-        const __m512 pt = _mm512_set1_ps(p[t]);
-        for (int i = 0; i < D / 16; i++) acc[i] = _mm512_fmadd_ps(pt, load16_bf16(v_rows[t], 16 * i), acc[i]);
-    }
-    const __m512 inv = _mm512_set1_ps(1.f / sum);
-    for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(out + 16 * i, _mm512_mul_ps(acc[i], inv));
-}
-
 /* accumulate_values for bf16 rows, D a multiple of 16. */
 static inline __attribute__((always_inline)) void accumulate_values_wide(const float *p, const void *const *v_rows,
                                                                        int n, float corr, float *acc_row,
@@ -234,7 +218,6 @@ static inline __attribute__((always_inline)) void accumulate_values_wide(const f
 #else
 #define WIDE_BF16 0
 #define scores8_wide(q, k, D, scale, out) scores8(q, k, D, scale, out, 1)
-#define weighted_values_wide(p, v_rows, n, sum, out, D) weighted_values(p, v_rows, n, sum, out, D, 1)
 #define accumulate_values_wide(p, v_rows, n, corr, acc_row, D) accumulate_values(p, v_rows, n, corr, acc_row, D, 1)
 #endif
 #define HAVE_DECODE_KERNEL 1
@@ -323,31 +306,48 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
 }
 
 #ifdef HAVE_DECODE_KERNEL
+/* Each query head in turn over the keys in blocks of KEY_BLOCK with a running maximum and sum,
+ * exactly as a prompt item's rows go (attend_dim): a token's attention output is then the same
+ * bits whether it is a decode or a row of a prompt chunk (a prefix-cache hit's tail, a request
+ * batched with prompts), which seeded sampling relies on (docs/contract.md). */
 static inline __attribute__((always_inline)) void decode_dim(const Args *a, int seq, Scratch *s, const int D,
                                                              const int bf16) {
     const int group = a->num_heads / a->num_kv_heads;
     const int n = a->seq_lens[seq];
     const int32_t *table = a->block_tables + (size_t)seq * a->max_blocks;
+    const int wide = WIDE_BF16 && bf16 && D % 16 == 0;
+    float *acc = s->acc;
     for (int h = 0; h < a->num_kv_heads; h++) {
         gather_rows(a, table, h, n, s);
         for (int g = 0; g < group; g++) {
             const size_t row = (size_t)a->query_start[seq] * a->num_heads + (size_t)h * group + g;
             const float *qr = a->q + row * D;
             float *sr = s->scores;
-            const int wide = WIDE_BF16 && bf16 && D % 16 == 0;
-            int t = 0;
-            for (; t + 8 <= n; t += 8) {
+            float row_max = -INFINITY, row_sum = 0.f;
+            memset(acc, 0, sizeof(float) * D);
+            for (int k0 = 0; k0 < n; k0 += KEY_BLOCK) {
+                const int cnt = n - k0 < KEY_BLOCK ? n - k0 : KEY_BLOCK;
+                int t = 0;
+                for (; t + 8 <= cnt; t += 8) {
+                    if (wide)
+                        scores8_wide(qr, s->k_rows + k0 + t, D, a->scale, sr + t);
+                    else
+                        scores8(qr, s->k_rows + k0 + t, D, a->scale, sr + t, bf16);
+                }
+                for (; t < cnt; t++) sr[t] = dot(qr, s->k_rows[k0 + t], D, bf16) * a->scale;
+                const float block_max = max_of(sr, cnt);
+                const float m = block_max > row_max ? block_max : row_max;
+                const float corr = expf(row_max - m); /* 0 for the first block */
+                row_sum = row_sum * corr + exp_shifted(sr, cnt, m);
+                row_max = m;
                 if (wide)
-                    scores8_wide(qr, s->k_rows + t, D, a->scale, sr + t);
+                    accumulate_values_wide(sr, s->v_rows + k0, cnt, corr, acc, D);
                 else
-                    scores8(qr, s->k_rows + t, D, a->scale, sr + t, bf16);
+                    accumulate_values(sr, s->v_rows + k0, cnt, corr, acc, D, bf16);
             }
-            for (; t < n; t++) sr[t] = dot(qr, s->k_rows[t], D, bf16) * a->scale;
-            const float sum = exp_scores(sr, n);
-            if (wide)
-                weighted_values_wide(sr, s->v_rows, n, sum, a->out + row * D, D);
-            else
-                weighted_values(sr, s->v_rows, n, sum, a->out + row * D, D, bf16);
+            const v8 inv = (v8){0} + 1.f / row_sum;
+            float *out = a->out + row * D;
+            for (int i = 0; i < D / 8; i++) *(v8 *)(out + 8 * i) = *(const v8 *)(acc + 8 * i) * inv;
         }
     }
 }
