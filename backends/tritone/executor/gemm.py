@@ -1,14 +1,22 @@
-"""Linear layers on the GEMM that measured fastest here, per weight shape, for one row and for a
-batch of rows.
+"""Linear layers on the GEMM kernel that measured fastest here and passed its checks, one kernel per
+weight shape for every row count.
 
-The candidates on CPU: torch's `mm` (MKL), oneDNN on a prepacked copy, and Tritone's own kernel
-(`csrc/gemm.c`: fp32, or bf16 on CPUs with AVX512-BF16) on a copy packed in column panels, which
-prefetches the weights it is about to read. Which wins depends on the CPU: measured on a 2-core
-AMD EPYC (AVX2, two threads, weights streamed from memory), Tritone's fp32 kernel ran 1.3x
-oneDNN at 32 and 128 rows and 1.3x to 2x MKL's GEMV at one row. Each weight shape is timed every way at start, on copies of the weight
-that together overflow the last-level cache (a forward pass reads each weight once, so a
-measurement on a weight already in cache would favour the wrong kernel); the answers are cached
-with the other hardware facts and logged.
+One kernel for every row count, and each candidate checked to be row-invariant, because a seed must
+mean one text (docs/contract.md): a row's product may not depend on how many rows share the call or
+where the row sits. MKL's `mm` and oneDNN's prepacked GEMM pick their blocking by the row count, so
+their results change with it (measured on an Intel Xeon with AMX: row 0 of a 33-row bf16 call differs
+from the same row alone); called on blocks of exactly `block_rows` rows, the last one padded, they
+give each row the same bits whatever else is in the batch. Tritone's own kernel (`csrc/gemm.c`: fp32,
+or bf16 on CPUs with AVX512-BF16, on a copy packed in column panels) computes each row alike at any
+row count. Each candidate is checked at start on this machine, against the product in float32 and
+for row invariance, before it is timed; one that fails is dropped and logged.
+
+Which is fastest depends on the CPU: on a 2-core AMD EPYC (AVX2, fp32) Tritone's kernel ran 1.3x
+oneDNN at 32 rows; on an Intel Xeon with AMX, oneDNN's bf16 GEMM on blocks of 16 rows ran 3-5x
+Tritone's. Each shape is timed at one row and at 32 rows on copies of the weight that together
+overflow the last-level cache (a forward pass reads each weight once, so a measurement on a weight
+already in cache would favour the wrong kernel); the kernel with the least time for the two serves.
+The answers and the checks' verdicts are cached with the other hardware facts and logged.
 
 A layer's packed copies live in a table that the `tritone::linear` op reads through a 0-d
 index tensor, so that the op stays opaque to torch.compile and one compiled graph serves every
@@ -34,35 +42,57 @@ logger = logging.getLogger(__name__)
 _BATCH_ROWS = 32
 # The measurement's copies of a weight span at least this much memory, beyond any CPU's L3 here.
 _COLD_BYTES = 64 << 20
+# Block heights that torch's kernels are tried at: AMX tiles hold 16 rows.
+_BLOCK_ROWS = (16, 32)
 KERNELS = ("mm", "onednn", "tritone")
+# A kernel's largest error against the float32 product of the same rounded operands, relative to
+# that product's largest magnitude: fp32 sums in another order, or a bf16 output's rounding.
+_TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2}
+
+
+def candidate_names(kernel: str) -> list[str]:
+    """`kernel` as the choices it is measured in: Tritone's as it is, torch's on blocks of rows."""
+    return [kernel] if kernel == "tritone" else [f"{kernel}/{rows}" for rows in _BLOCK_ROWS]
 
 
 @dataclass(eq=False)
 class PackedLinear:
-    """A layer's weight in the layouts its chosen kernels read, and the choice for one row and
-    for batches."""
+    """A layer's weight in the layout its kernel reads. `choice` is "tritone", or "mm/R" or
+    "onednn/R": torch's kernel on blocks of exactly R rows."""
 
     weight: torch.Tensor  # [in, out], for torch.mm
-    single: str
-    batch: str
+    choice: str
+    kernel: str = field(init=False)
+    block_rows: int = field(init=False)
     onednn: torch.Tensor | None = field(default=None, init=False)
     panels: torch.Tensor | None = field(default=None, init=False)
 
     def __post_init__(self):
-        kernels_used = {self.single, self.batch}
-        if "onednn" in kernels_used:
-            self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous(), _BATCH_ROWS)
-        if "tritone" in kernels_used:
+        self.kernel, _, rows = self.choice.partition("/")
+        self.block_rows = int(rows or 0)
+        if self.kernel == "onednn":
+            self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous(), self.block_rows)
+        elif self.kernel == "tritone":
             self.panels = kernels.pack(self.weight)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        kernel = self.single if x.shape[0] == 1 else self.batch
-        if kernel == "tritone":
+        if self.kernel == "tritone":
             if x.dtype == torch.bfloat16:
                 out = kernels.gemm_bf16(x, self.panels, None, self.weight.shape[1])
                 return (out if bias is None else out + bias).to(x.dtype)
             return kernels.gemm_f32(x, self.panels, bias, self.weight.shape[1])
-        if kernel == "onednn":
+        rows = self.block_rows
+        if rows == 0:  # no row-invariant kernel passed here (logged at start)
+            return self._block(x, bias)
+        n = x.shape[0]
+        if n % rows:
+            x = torch.cat([x, x.new_zeros(rows - n % rows, x.shape[1])])
+        if x.shape[0] == rows:
+            return self._block(x, bias)[:n]
+        return torch.cat([self._block(x[i:i + rows], bias) for i in range(0, x.shape[0], rows)])[:n]
+
+    def _block(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.onednn, bias, "none", [], "")
         return torch.mm(x, self.weight) if bias is None else torch.addmm(bias, x, self.weight)
 
@@ -85,10 +115,10 @@ def available(dtype: torch.dtype) -> tuple[str, ...]:
     return tuple(names)
 
 
-def pack(weight_t: torch.Tensor, single: str, batch: str) -> tuple[PackedLinear, torch.Tensor]:
-    """`weight_t` ([in, out]) made ready for `single` (one row) and `batch` kernels, registered
-    for the `tritone::linear` op, and its 0-d index; the caller keeps the first alive."""
-    layer = PackedLinear(weight_t, single, batch)
+def pack(weight_t: torch.Tensor, choice: str) -> tuple[PackedLinear, torch.Tensor]:
+    """`weight_t` ([in, out]) made ready for the kernel `choice`, registered for the
+    `tritone::linear` op, and its 0-d index; the caller keeps the first alive."""
+    layer = PackedLinear(weight_t, choice)
     index = next(_next_index)
     _packed[index] = layer
     return layer, torch.tensor(index)
@@ -118,29 +148,56 @@ def _time_cold(fn, copies: list, rounds: int = 3) -> float:
     return best
 
 
-def measure(in_features: int, out_features: int, dtype: torch.dtype) -> dict[str, dict[str, float]]:
-    """Seconds per call of each available kernel at one row and at a batch of rows, on weights
-    streamed from memory; a kernel that cannot take this dtype here is left out."""
+def check(layer: PackedLinear, dtype: torch.dtype, gen: torch.Generator) -> str | None:
+    """Why `layer`'s kernel may not serve here (None: it may): its product strays from the float32
+    product of the same rounded operands, or a row's result changes with the rows beside it."""
+    k = layer.weight.shape[0]
+    x = torch.randn(40, k, generator=gen).to(dtype)
+    want = x.float() @ layer.weight.float()
+    got = layer(x, None)
+    error = ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
+    if not error <= _TOLERANCE[dtype]:
+        return f"wrong: off the float32 product by {error:.2g} of its largest value (tolerance {_TOLERANCE[dtype]:g})"
+    for first, last in ((0, 1), (0, 2), (5, 20), (0, 33), (7, 40), (39, 40)):
+        if not torch.equal(layer(x[first:last].contiguous(), None), got[first:last]):
+            return f"row-variant: rows {first}..{last - 1} alone differ from the same rows in a 40-row call"
+    return None
+
+
+def measure(in_features: int, out_features: int, dtype: torch.dtype) -> dict[str, dict]:
+    """Per candidate kernel (`candidate_names`): seconds per call at one row and at a batch of rows,
+    on weights streamed from memory, or why it was dropped (`check`); a kernel that cannot take
+    this dtype here is left out."""
     gen = torch.Generator().manual_seed(0)
     num_copies = max(1, -(-_COLD_BYTES // (in_features * out_features * dtype.itemsize)))
     weights = [torch.randn(in_features, out_features, generator=gen).to(dtype) for _ in range(num_copies)]
-    times = {}
-    for kernel in available(dtype):
+    results = {}
+    for name in (c for kernel in available(dtype) for c in candidate_names(kernel)):
         try:
-            copies = [PackedLinear(w, kernel, kernel) for w in weights]
-            times[kernel] = {}
-            for rows in (1, _BATCH_ROWS):
-                x = torch.randn(rows, in_features, generator=gen).to(dtype)
-                times[kernel][str(rows)] = _time_cold(lambda layer: layer(x, None), copies)
+            copies = [PackedLinear(w, name) for w in weights]
+            reason = check(copies[0], dtype, gen)
         except RuntimeError:
-            times.pop(kernel, None)
-    return times
+            continue
+        if reason is not None:
+            results[name] = {"dropped": reason}
+            continue
+        results[name] = {}
+        for rows in (1, _BATCH_ROWS):
+            x = torch.randn(rows, in_features, generator=gen).to(dtype)
+            results[name][str(rows)] = _time_cold(lambda layer: layer(x, None), copies)
+    return results
 
 
-def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path) -> dict[tuple[int, int], tuple[str, str]]:
-    """For each (in, out) shape, the fastest kernel for one row and for a batch: measured,
-    cached in `cache_path`, logged."""
-    key = f"{dtype} {'/'.join(available(dtype))}"  # a kernel added here is measured, not left out
+def _cost(times: dict) -> float:
+    """A lone decode's time plus a batch's: one kernel serves both."""
+    return times["1"] + times[str(_BATCH_ROWS)]
+
+
+def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path) -> dict[tuple[int, int], str]:
+    """For each (in, out) shape, the fastest kernel that passed its checks: measured, cached in
+    `cache_path`, logged (with every candidate dropped and why)."""
+    # The checks' version and the candidates: a kernel added here is measured, not left out.
+    key = f"{dtype} checked-v1 {'/'.join(available(dtype))}"
     try:
         cached = json.loads(cache_path.read_text())
     except (OSError, ValueError):
@@ -158,17 +215,25 @@ def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path) -> dict
     if measured:
         cache_path.parent.mkdir(parents=True, exist_ok=True)
         cache_path.write_text(json.dumps(cached, indent=1))
-    choice = {}
+    choice, dropped = {}, []
     for k, n in shapes:
-        times = table[f"{k}x{n}"]
-        choice[(k, n)] = tuple(min(times, key=lambda kernel: times[kernel][rows]) for rows in ("1", str(_BATCH_ROWS)))
-    logger.info("GEMMs (%s; one row / %d rows): %s",
+        results = table[f"{k}x{n}"]
+        passed = {c: t for c, t in results.items() if "dropped" not in t}
+        dropped += [f"{c} for {k}x{n} ({t['dropped']})" for c, t in sorted(results.items()) if "dropped" in t]
+        if passed:
+            choice[(k, n)] = min(passed, key=lambda c: _cost(passed[c]))
+        else:  # nothing row-invariant runs here: torch's mm serves, and seeds may part (logged)
+            choice[(k, n)] = "mm"
+            logger.warning("GEMM %dx%d: no kernel passed its checks here; torch.mm serves, whose results change "
+                           "with the batch's row count", k, n)
+    for reason in dropped:
+        logger.warning("GEMM kernel dropped: %s", reason)
+    logger.info("GEMMs (%s; GFLOP/s at one row / %d rows): %s",
                 "measured, partly under contention (not cached)" if contended else "measured" if measured else "cached",
                 _BATCH_ROWS,
-                ", ".join(f"{k}x{n} {single}/{batch} "
-                          f"({_gflops(k, n, 1, table[f'{k}x{n}'][single]['1'])}/"
-                          f"{_gflops(k, n, _BATCH_ROWS, table[f'{k}x{n}'][batch][str(_BATCH_ROWS)])} GFLOP/s)"
-                          for (k, n), (single, batch) in sorted(choice.items())))
+                ", ".join(f"{k}x{n} {c}" + (f" ({_gflops(k, n, 1, t['1'])}/{_gflops(k, n, _BATCH_ROWS, t[str(_BATCH_ROWS)])})"
+                                            if (t := table[f"{k}x{n}"].get(c)) else "")
+                          for (k, n), c in sorted(choice.items())))
     return choice
 
 

@@ -10,6 +10,7 @@ greedy answers in fp32 match theirs token for token.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 from typing import Callable
 
@@ -105,8 +106,8 @@ def rope_table(hf_config, spec: LlamaSpec) -> torch.Tensor:
 
 class Linear(nn.Module):
     """A linear layer whose weight is stored [in, out], as MKL runs the small row counts of
-    decode batches fastest; `prepack` adds the layouts of the kernels measured fastest for this
-    shape (gemm.py). Fused layers (QKV, gate_up) are one weight of concatenated columns."""
+    decode batches fastest; `prepack` adds the layout of the kernel chosen for this shape
+    (gemm.py). Fused layers (QKV, gate_up) are one weight of concatenated columns."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype):
         super().__init__()
@@ -115,8 +116,8 @@ class Linear(nn.Module):
         self.register_buffer("packed", None, persistent=False)  # the op's index of `packed_linear`
         self.packed_linear: gemm.PackedLinear | None = None
 
-    def prepack(self, single: str, batch: str) -> None:
-        self.packed_linear, self.packed = gemm.pack(self.weight, single, batch)
+    def prepack(self, choice: str) -> None:
+        self.packed_linear, self.packed = gemm.pack(self.weight, choice)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
@@ -247,12 +248,10 @@ class LlamaForCausalLM(nn.Module):
         sin = torch.cat([table[:, half:], table[:, half:]], dim=-1).to(x.dtype)[:, None, :]
         residual = torch.zeros_like(x)
         layer_forward = self.layer_forward
-        if x.shape[0] == 1:
-            # A lone token runs eagerly: its GEMMs are matrix-vector products, which MKL runs
-            # fastest unpadded, and there is no batch for fused elementwise work to pay off on.
-            layer_forward = DecoderLayer.forward
-        elif layer_forward is not DecoderLayer.forward:
-            # The compiled layer is traced with the token count symbolic, and nothing else.
+        if layer_forward is not DecoderLayer.forward and x.shape[0] > 1:
+            # The compiled layer is traced with the token count symbolic, and nothing else; a lone
+            # token runs the same graph (guards are dropped), so that a row's arithmetic never
+            # depends on how many rows the step has (docs/contract.md, seeds).
             for t in (x, residual, cos, sin):
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=1 << 20)
         for layer in self.layers:
@@ -269,3 +268,26 @@ class LlamaForCausalLM(nn.Module):
         outside = (local < 0) | (local >= count)
         x = self.embed_tokens(local.clamp(0, count - 1)).masked_fill(outside[:, None], 0)
         return self.all_reduce(x)
+
+
+def use_plain_linears(model: nn.Module) -> None:
+    """Every linear on torch.mm, as the model loaded."""
+    for m in model.modules():
+        if isinstance(m, Linear):
+            m.packed_linear, m.packed = None, None
+
+
+@contextlib.contextmanager
+def reference_mode(model: LlamaForCausalLM):
+    """The model as the reference that fast paths are checked against (verify.py): eager layers
+    on torch.mm; what was set up is restored after."""
+    linears = [(m, m.packed_linear, m.packed) for m in model.modules() if isinstance(m, Linear)]
+    layer_forward = model.layer_forward
+    use_plain_linears(model)
+    model.layer_forward = DecoderLayer.forward
+    try:
+        yield
+    finally:
+        model.layer_forward = layer_forward
+        for m, packed_linear, packed in linears:
+            m.packed_linear, m.packed = packed_linear, packed

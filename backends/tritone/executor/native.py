@@ -62,15 +62,20 @@ def unsupported_reason(model, dtype: torch.dtype, device: torch.device) -> str |
     if dtype == torch.bfloat16:
         if not kernels.bf16_gemm_supported():
             return "its bfloat16 GEMM needs a CPU with AVX512-BF16"
-        chosen = model.layers[0].mlp.gate_up_proj.packed_linear
-        if chosen is None or chosen.batch != "tritone":
-            return (f"torch's bfloat16 GEMM ({chosen.batch if chosen else 'mm'}) measured faster than Tritone's "
-                    "here (gemm.py)")
     spec = model.spec
     if spec.head_dim % 8 or spec.head_dim > 256:
         return f"head size {spec.head_dim} is not a multiple of 8 up to 256"
     if kernels.native_library() is None:
         return f"the native kernels did not build ({kernels.missing_reason()})"
+    return None
+
+
+def slower_reason(model, dtype: torch.dtype) -> str | None:
+    """Why `--forward auto` leaves the native forward out though it can run (None: it does not):
+    in bf16 its GEMM is Tritone's, which must have measured fastest here (gemm.py)."""
+    chosen = model.layers[0].mlp.gate_up_proj.packed_linear
+    if dtype == torch.bfloat16 and (chosen is None or chosen.kernel != "tritone"):
+        return f"torch's bfloat16 GEMM ({chosen.choice if chosen else 'mm'}) measured faster than Tritone's here (gemm.py)"
     return None
 
 

@@ -18,7 +18,7 @@ from transformers import AutoConfig
 
 from tritone.config import EngineConfig
 from tritone.executor import attention, block_table, compiler, cuda_graphs, gemm, hardware, llama, native, \
-    tensor_parallel
+    tensor_parallel, verify
 from tritone.executor.kernels import argmax_rows
 from tritone.executor.loader import load_weights
 from tritone.executor.step import PendingTokens, StepInput
@@ -108,13 +108,18 @@ def build_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.dev
 
 
 def prepack_linears(model: torch.nn.Module, dtype: torch.dtype) -> None:
-    """Gives every linear the kernels that measured fastest for its shape, one row and batches."""
+    """Gives every linear the kernel chosen for its shape (gemm.py: checked here, then fastest)."""
     linears = [m for m in model.modules() if isinstance(m, llama.Linear)]
     choice = gemm.choose({tuple(m.weight.shape) for m in linears}, dtype, hardware.facts_path("linear"))
     for m in linears:
-        single, batch = choice[tuple(m.weight.shape)]
-        if (single, batch) != ("mm", "mm"):
-            m.prepack(single, batch)
+        m.prepack(choice[tuple(m.weight.shape)])
+
+
+def _weights_stamp(model_dir: str) -> list:
+    """The checkpoint's files by size and modification time: new weights are checked again."""
+    import pathlib
+
+    return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in pathlib.Path(model_dir).glob("*.safetensors"))
 
 
 class StepHandle:
@@ -183,18 +188,32 @@ class ModelRunner:
                     self.num_blocks, self.block_size)
         self.compile_seconds = 0.0
         self.graphs: cuda_graphs.DecodeGraphs | None = None
+        self._config = config
+        # The start-up check of fast paths (verify.py) runs where one process holds the whole
+        # model on the CPU; under tensor parallelism the ranks would have to check in lockstep.
+        self._probe = None
+        if self.device.type == "cpu" and self.group is None and isinstance(self.model, llama.LlamaForCausalLM):
+            self._probe = verify.Probe(self.vocab_size, self.block_size, self.num_blocks)
+        elif isinstance(self.model, llama.LlamaForCausalLM):
+            logger.info("fast paths: not checked at start (%s)", "tensor parallelism" if self.group else self.device.type)
         self.native = self._native_forward(config.forward)
         if self.native is None and self.group is not None and config.compile != "off":
             logger.info("torch.compile: off under tensor parallelism (the collectives run eagerly)")
         elif self.native is None and compiler.should_compile(config.compile, self.device):
             t0 = time.perf_counter()
             if compiler.compile_model(self.model):
-                if self._warm_up():
+                if self._warm_up() and self._passes("compiled forward", "--compile on" if config.compile == "on" else None):
                     self.compile_seconds = time.perf_counter() - t0
                     logger.info("compiled the forward pass in %.1f s (cache: %s)", self.compile_seconds,
                                 compiler.cache_dir())
                 else:
                     compiler.restore_eager(self.model)
+        if self.native is None and not compiler.is_compiled(self.model) and self._probe is not None:
+            if not self._passes("eager forward (Tritone's GEMMs and attention)", None):
+                # Even the eager path on the chosen kernels is off: serve the reference itself.
+                logger.warning("serving the reference forward (torch.mm and SDPA)")
+                llama.use_plain_linears(self.model)
+                self.attention = attention.TorchSDPAAttention()
         if self.device.type == "cuda" and config.cuda_graphs == "auto":
             self.graphs = self._capture_decode_graphs(config.max_num_seqs)
 
@@ -222,17 +241,45 @@ class ModelRunner:
         return graphs
 
     def _native_forward(self, mode: str) -> native.NativeForward | None:
-        """The native forward where `mode` and the model allow it (logged either way)."""
+        """The native forward where `mode` and the model allow it and it passes the start-up check
+        (logged either way; `--forward native` refuses to start where it cannot serve)."""
         if mode == "torch":
             return None
         reason = native.unsupported_reason(self.model, self.dtype, self.device)
+        if reason is None and mode == "auto":
+            reason = native.slower_reason(self.model, self.dtype)
         if reason is not None:
             if mode == "native":
-                raise ValueError(f"forward native: {reason}")
-            logger.info("forward pass: torch (the native forward cannot run: %s)", reason)
+                raise ValueError(f"--forward native: {reason}")
+            logger.info("forward pass: torch (the native forward does not serve: %s)", reason)
+            return None
+        self.native = native.NativeForward(self.model, self.kv_caches, self.block_size, self.group)
+        if self._probe is not None and not self._passes("native forward", "--forward native" if mode == "native" else None):
+            self.native = None
             return None
         logger.info("forward pass: native, one call per step")
-        return native.NativeForward(self.model, self.kv_caches, self.block_size, self.group)
+        return self.native
+
+    def _passes(self, name: str, flag: str | None) -> bool:
+        """Whether the forward as now set up agrees with the reference (verify.py); a path asked
+        for by `flag` that does not refuses to start, naming the flag."""
+        if self._probe is None:
+            return True
+        key = {"path": name, "model": self._config.model, "weights": _weights_stamp(self._config.model),
+               "dtype": str(self.dtype), "attention": self.attention.name, "threads": torch.get_num_threads(),
+               "gemm": sorted({m.packed_linear.choice for m in self.model.modules()
+                               if isinstance(m, llama.Linear) and m.packed_linear is not None})}
+        verdict = verify.cached_check(name, key, lambda: verify.check(
+            lambda step: self._forward(step), self._reference_forward, self._probe, self.dtype))
+        if verdict.problem is not None and flag is not None:
+            raise ValueError(f"{flag}: the {name} disagrees with the eager reference here: {verdict.problem}")
+        return verdict.problem is None
+
+    @torch.inference_mode()
+    def _reference_forward(self, step: StepInput) -> torch.Tensor:
+        """The eager modules on torch.mm and SDPA in the serving dtype: what fast paths must match."""
+        with llama.reference_mode(self.model):
+            return self._torch_forward(step, None, attention.TorchSDPAAttention())
 
     def _warm_up(self) -> bool:
         """Runs the compiled model on batches of several sizes so that no request pays for
@@ -305,14 +352,19 @@ class ModelRunner:
             if len(logits_indices) == len(ids):  # every decode samples: rows in order
                 return logits
             return logits[torch.from_numpy(np.asarray(logits_indices)).to(self.device)]
+        return self._torch_forward(step, prev, self.attention)
+
+    def _torch_forward(self, step: StepInput, prev: PendingTokens | None, backend) -> torch.Tensor:
+        ids, positions, slots, tables = step.ids, step.positions, step.slots, step.tables
+        query_start, seq_lens, logits_indices = step.query_start, step.seq_lens, step.logits_indices
         to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
         meta = attention.AttentionMetadata(
             slot_mapping=to(slots), block_tables=to(tables), query_start=to(query_start), seq_lens=to(seq_lens),
-            query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(), num_decodes=num_decodes,
+            query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(), num_decodes=step.num_decodes,
             block_size=self.block_size, max_query_len=int(np.diff(query_start).max()),
             max_seq_len=int(seq_lens.max()))
         input_ids, pos, rows = to(ids), to(positions), to(logits_indices)
         if prev is not None:
             input_ids[to(prev.dst)] = prev.token_ids[to(prev.src)]
-        with attention.forward_context(self.kv_caches, meta, self.attention):
+        with attention.forward_context(self.kv_caches, meta, backend):
             return self.model(input_ids, pos, rows)
