@@ -165,16 +165,27 @@ BACKENDS = {"cpu-native": NativeCPUAttention, "flash-varlen": FlashVarlenAttenti
 def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
                    block_size: int, name: str = "auto"):
     """The attention named, or for `auto` the fastest that works here: the native kernel on CPU;
-    on CUDA the first paged kernel that runs and agrees with SDPA on a probe batch of this
-    model's shape (logged, with why each one before it was passed over); SDPA where none does."""
+    on CUDA the first paged kernel. Either serves only after it ran and agreed with SDPA on a probe
+    batch of this model's shape (logged, with why each one before it was passed over; one named
+    by flag that does not refuses to start); SDPA where none does."""
     if name == "cpu-native":
         kernels.require("--attention cpu-native")
-    if name != "auto":
-        return BACKENDS[name]()
+    if name not in ("auto", "sdpa"):  # SDPA is the reference the others are checked against
+        backend = BACKENDS[name]()
+        problem = probe(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+        if problem is not None:
+            raise ValueError(f"--attention {name}: disagrees with SDPA on a probe batch here: {problem}")
+        return backend
+    if name == "sdpa":
+        return TorchSDPAAttention()
     if device.type == "cpu":
         if (dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
                 and kernels.native_library() is not None):
-            return NativeCPUAttention()
+            problem = probe(NativeCPUAttention(), device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+            if problem is None:
+                logger.info("attention cpu-native: passed its probe against SDPA")
+                return NativeCPUAttention()
+            logger.warning("attention cpu-native dropped: %s", problem)
         return TorchSDPAAttention()
     for backend in _cuda_candidates():
         problem = probe(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
