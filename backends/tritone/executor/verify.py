@@ -156,7 +156,7 @@ def check(forward: Forward, reference: Forward, probe: Probe, dtype: torch.dtype
 def cached_check(name: str, key: dict, run: Callable[[], Verdict]) -> Verdict:
     """`run()`'s verdict on path `name`, from the cache where the same key was checked before."""
     digest = hashlib.sha256(json.dumps({**key, "source": _source_digest()}, sort_keys=True).encode()).hexdigest()[:16]
-    path = hardware.facts_path("fast-paths")
+    path = verdicts_path()
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -173,6 +173,10 @@ def cached_check(name: str, key: dict, run: Callable[[], Verdict]) -> Verdict:
     (logger.info if verdict.problem is None else logger.warning)(
         "fast path %s: %s (%s against the eager reference in the same dtype)", name, verdict.describe(), source)
     return verdict
+
+
+def verdicts_path() -> pathlib.Path:
+    return hardware.facts_path("fast-paths")
 
 
 def _source_digest() -> str:
