@@ -193,7 +193,10 @@ class ModelRunner:
         # model on the CPU; under tensor parallelism the ranks would have to check in lockstep.
         self._probe = None
         if self.device.type == "cpu" and self.group is None and isinstance(self.model, llama.LlamaForCausalLM):
-            self._probe = verify.Probe(self.vocab_size, self.block_size, self.num_blocks)
+            try:
+                self._probe = verify.Probe(self.vocab_size, self.block_size, self.num_blocks)
+            except ValueError as exc:
+                logger.warning("fast paths: not checked at start (%s)", exc)
         elif isinstance(self.model, llama.LlamaForCausalLM):
             logger.info("fast paths: not checked at start (%s)", "tensor parallelism" if self.group else self.device.type)
         self.native = self._native_forward(config.forward)
