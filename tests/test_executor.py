@@ -414,20 +414,6 @@ def assert_greedy_close(hf, prompt_ids, got):
                 break
 
 
-@pytest.mark.parametrize("forward", ["auto", "torch"])
-def test_default_model_in_bf16_is_close_to_hugging_face_bf16(model_dir, tokenizer, forward):
-    # auto: the native bf16 forward where the CPU has AVX512-BF16, the torch modules elsewhere.
-    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
-    ids = [tokenizer(p).input_ids for p in PROMPTS[:4]]
-    engine, got = engine_greedy(model_dir, ids, dtype="bfloat16", compile="off", kv_cache_bytes=32 << 20,
-                                block_size=16, max_num_batched_tokens=256, forward=forward)
-    assert engine.runner.dtype == torch.bfloat16
-    # auto: native where its GEMM measured fastest here, which the test reads rather than assumes.
-    chosen = engine.runner.model.layers[0].mlp.gate_up_proj.packed_linear
-    assert (engine.runner.native is not None) == (forward == "auto" and chosen is not None and chosen.kernel == "tritone")
-    assert_greedy_close(hf, ids, got)
-
-
 @needs_bf16_gemm
 def test_native_bf16_forward_is_close_to_hugging_face_bf16(tiny):
     # Prompt chunks of 32 tokens (the 40-token prompt takes two), decodes, several requests a step;

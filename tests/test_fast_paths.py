@@ -72,11 +72,27 @@ def hf_bf16(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
 
 
+_engines: dict = {}
+
+
+def engine_for(model_dir, path):
+    """One engine per path for the module's tests: building one compiles and checks its path."""
+    skip_unrunnable(path[0], path[2])
+    if path not in _engines:
+        _engines[path] = make_engine(model_dir, *path)
+    return _engines[path]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _drop_engines():
+    yield
+    _engines.clear()
+
+
 @pytest.mark.parametrize("path", PATHS, ids=path_id)
 def test_each_path_answers_as_hugging_face_in_its_dtype(model_dir, prompt_ids, hf_model, hf_bf16, path):
-    forward, mode, dtype = path
-    skip_unrunnable(forward, dtype)
-    engine = make_engine(model_dir, *path)
+    engine = engine_for(model_dir, path)
+    dtype = path[2]
     got = run(engine, prompt_ids, lambda i: SamplingParams(max_tokens=MAX_TOKENS))
     if dtype == "float32":  # the same arithmetic as Hugging Face's, token for token
         assert got == [hf_greedy(hf_model, ids, MAX_TOKENS) for ids in prompt_ids]
@@ -101,19 +117,16 @@ def assert_close_to(hf, prompt_ids, got, end_id=2):
 
 
 @pytest.mark.parametrize("path", PATHS, ids=path_id)
-def test_a_seed_means_one_text_alone_batched_and_after_a_prefix_hit(model_dir, prompt_ids, path):
-    forward, mode, dtype = path
-    skip_unrunnable(forward, dtype)
-    engine = make_engine(model_dir, *path)
+def test_a_seed_means_one_text_alone_batched_and_after_a_prefix_hit(model_dir, tokenizer, prompt_ids, path):
+    engine = engine_for(model_dir, path)
     seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.3, seed=11, end_id=-1)
-    prompt = prompt_ids[3]
+    prompt = tokenizer(PROMPTS[6]).input_ids  # a prompt no other test of the engine has sent
     alone = run(engine, [prompt], lambda i: seeded)[0]
-    # Again in the same engine: its prompt's blocks are cached, so the tail is a shorter chunk.
+    # Again: its prompt's blocks are cached now, so its tail is a shorter chunk.
     assert run(engine, [prompt], lambda i: seeded)[0] == alone
-    # Beside other requests that join and leave, its prompt prefilled in a chunk with theirs.
+    # Beside other requests that join and leave, its tail prefilled in one step with their prompts.
     others = lambda i: seeded if i == 2 else SamplingParams(max_tokens=MAX_TOKENS - i, temperature=0.9, seed=i)
-    fresh = make_engine(model_dir, *path)
-    assert run(fresh, prompt_ids[:2] + [prompt] + prompt_ids[4:] + prompt_ids[:2], others, every=1)[2] == alone
+    assert run(engine, prompt_ids[:2] + [prompt] + prompt_ids[4:] + prompt_ids[:2], others, every=1)[2] == alone
     assert len(alone) == MAX_TOKENS
 
 
