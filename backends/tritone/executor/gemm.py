@@ -5,14 +5,14 @@ One kernel for every row count, and each candidate checked to be row-invariant, 
 mean one text (docs/contract.md): a row's product may not depend on how many rows share the call or
 where the row sits. MKL's `mm` and oneDNN's prepacked GEMM pick their blocking by the row count, so
 their results change with it (measured on an Intel Xeon with AMX: row 0 of a 33-row bf16 call differs
-from the same row alone); called on blocks of exactly `block_rows` rows, the last one padded, they
-give each row the same bits whatever else is in the batch. Tritone's own kernel (`csrc/gemm.c`: fp32,
+from the same row alone); called on blocks of `block_rows` rows (the last one padded where the
+kernel needs it), they give each row the same bits whatever else is in the batch. Tritone's own kernel (`csrc/gemm.c`: fp32,
 or bf16 on CPUs with AVX512-BF16, on a copy packed in column panels) computes each row alike at any
 row count. Each candidate is checked at start on this machine, against the product in float32 and
 for row invariance, before it is timed; one that fails is dropped and logged.
 
 Which is fastest depends on the CPU: on a 2-core AMD EPYC (AVX2, fp32) Tritone's kernel ran 1.3x
-oneDNN at 32 rows; on an Intel Xeon with AMX, oneDNN's bf16 GEMM on blocks of 16 rows ran 3-5x
+oneDNN at 32 rows; on an Intel Xeon with AMX, oneDNN's bf16 GEMM on blocks of 32 rows ran 3-5x
 Tritone's. Each shape is timed at one row and at 32 rows on copies of the weight that together
 overflow the last-level cache (a forward pass reads each weight once, so a measurement on a weight
 already in cache would favour the wrong kernel); the kernel with the least time for the two serves.
@@ -42,8 +42,11 @@ logger = logging.getLogger(__name__)
 _BATCH_ROWS = 32
 # The measurement's copies of a weight span at least this much memory, beyond any CPU's L3 here.
 _COLD_BYTES = 64 << 20
-# Block heights that torch's kernels are tried at: AMX tiles hold 16 rows.
-_BLOCK_ROWS = (16, 32)
+# Torch's kernels run on blocks of this many rows, the last one padded ("/32p") or not ("/32"): on
+# an Intel Xeon with AMX oneDNN's bf16 GEMM gives a row the same bits at any row count up to 32
+# (not past it), so its last block needs no padding and a lone decode row costs one row's GEMM;
+# MKL's changes below 32 rows too. The check at start decides which hold here.
+_BLOCK_ROWS = 32
 KERNELS = ("mm", "onednn", "tritone")
 # A kernel's largest error against the float32 product of the same rounded operands, relative to
 # that product's largest magnitude: fp32 sums in another order, or a bf16 output's rounding.
@@ -52,24 +55,27 @@ _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 def candidate_names(kernel: str) -> list[str]:
     """`kernel` as the choices it is measured in: Tritone's as it is, torch's on blocks of rows."""
-    return [kernel] if kernel == "tritone" else [f"{kernel}/{rows}" for rows in _BLOCK_ROWS]
+    return [kernel] if kernel == "tritone" else [f"{kernel}/{_BLOCK_ROWS}", f"{kernel}/{_BLOCK_ROWS}p"]
 
 
 @dataclass(eq=False)
 class PackedLinear:
     """A layer's weight in the layout its kernel reads. `choice` is "tritone", or "mm/R" or
-    "onednn/R": torch's kernel on blocks of exactly R rows."""
+    "onednn/R": torch's kernel on blocks of R rows, the last one as it is, or with "p" after R,
+    padded to R rows."""
 
     weight: torch.Tensor  # [in, out], for torch.mm
     choice: str
     kernel: str = field(init=False)
     block_rows: int = field(init=False)
+    padded: bool = field(init=False)
     onednn: torch.Tensor | None = field(default=None, init=False)
     panels: torch.Tensor | None = field(default=None, init=False)
 
     def __post_init__(self):
         self.kernel, _, rows = self.choice.partition("/")
-        self.block_rows = int(rows or 0)
+        self.padded = rows.endswith("p")
+        self.block_rows = int(rows.removesuffix("p") or 0)
         if self.kernel == "onednn":
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous(), self.block_rows)
         elif self.kernel == "tritone":
@@ -85,9 +91,9 @@ class PackedLinear:
         if rows == 0:  # no row-invariant kernel passed here (logged at start)
             return self._block(x, bias)
         n = x.shape[0]
-        if n % rows:
+        if self.padded and n % rows:
             x = torch.cat([x, x.new_zeros(rows - n % rows, x.shape[1])])
-        if x.shape[0] == rows:
+        if x.shape[0] <= rows:
             return self._block(x, bias)[:n]
         return torch.cat([self._block(x[i:i + rows], bias) for i in range(0, x.shape[0], rows)])[:n]
 
@@ -158,7 +164,7 @@ def check(layer: PackedLinear, dtype: torch.dtype, gen: torch.Generator) -> str 
     error = ((got.float() - want).abs().max() / want.abs().max().clamp_min(1e-30)).item()
     if not error <= _TOLERANCE[dtype]:
         return f"wrong: off the float32 product by {error:.2g} of its largest value (tolerance {_TOLERANCE[dtype]:g})"
-    for first, last in ((0, 1), (0, 2), (5, 20), (0, 33), (7, 40), (39, 40)):
+    for first, last in ((0, 1), (0, 2), (5, 20), (0, 31), (0, 33), (7, 40), (39, 40)):
         if not torch.equal(layer(x[first:last].contiguous(), None), got[first:last]):
             return f"row-variant: rows {first}..{last - 1} alone differ from the same rows in a 40-row call"
     return None
@@ -197,7 +203,7 @@ def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path) -> dict
     """For each (in, out) shape, the fastest kernel that passed its checks: measured, cached in
     `cache_path`, logged (with every candidate dropped and why)."""
     # The checks' version and the candidates: a kernel added here is measured, not left out.
-    key = f"{dtype} checked-v1 {'/'.join(available(dtype))}"
+    key = f"{dtype} checked-v2 {'/'.join(available(dtype))}"
     try:
         cached = json.loads(cache_path.read_text())
     except (OSError, ValueError):
