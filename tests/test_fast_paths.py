@@ -11,6 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from conftest import PROMPTS, hf_greedy
+from test_engine import run_staggered
 from tritone.config import EngineConfig
 from tritone.engine.core import LLMEngine
 from tritone.executor import attention, compiler, kernels, llama, native, verify
@@ -47,18 +48,11 @@ def make_engine(model_dir, forward, mode, dtype, **overrides):
 
 
 def run(engine, prompts_ids, params_for, every=1):
-    """Requests joining one after another (one each `every` steps); their tokens by request."""
-    outputs = {str(i): [] for i in range(len(prompts_ids))}
-    pending, step = list(enumerate(prompts_ids)), 0
-    while pending or engine.has_unfinished_requests():
-        if pending and step % every == 0:
-            i, ids = pending.pop(0)
-            engine.add_request(str(i), ids, params_for(i))
-        for out in engine.step():
-            outputs[out.request_id].extend(out.new_token_ids)
-        step += 1
+    """Requests joining one after another (one each `every` steps); their tokens by request, and
+    every KV block free again."""
+    got = run_staggered(engine, prompts_ids, params_for, every)
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    return [outputs[str(i)] for i in range(len(prompts_ids))]
+    return got
 
 
 @pytest.fixture(scope="module")

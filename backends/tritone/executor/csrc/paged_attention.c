@@ -226,6 +226,35 @@ static inline __attribute__((always_inline)) void accumulate_values_wide(const f
 #define IS_DECODE(q_len) 0
 #endif
 
+#ifdef HAVE_DECODE_KERNEL
+/* One query row over keys [k0, k0 + cnt): scores, the running maximum and sum, and the running
+ * output `acc_row` (online softmax). Prompt rows and decodes both go through it, block by block
+ * from key 0, so a token's attention is the same bits either way. */
+static inline __attribute__((always_inline)) void attend_block(const Args *a, const float *qr, Scratch *s, int k0,
+                                                               int cnt, float *row_max, float *row_sum,
+                                                               float *acc_row, const int D, const int bf16,
+                                                               const int wide) {
+    float *sr = s->scores;
+    int t = 0;
+    for (; t + 8 <= cnt; t += 8) {
+        if (wide)
+            scores8_wide(qr, s->k_rows + k0 + t, D, a->scale, sr + t);
+        else
+            scores8(qr, s->k_rows + k0 + t, D, a->scale, sr + t, bf16);
+    }
+    for (; t < cnt; t++) sr[t] = dot(qr, s->k_rows[k0 + t], D, bf16) * a->scale;
+    const float block_max = max_of(sr, cnt);
+    const float m = block_max > *row_max ? block_max : *row_max;
+    const float corr = expf(*row_max - m); /* 0 for the first block */
+    *row_sum = *row_sum * corr + exp_shifted(sr, cnt, m);
+    *row_max = m;
+    if (wide)
+        accumulate_values_wide(sr, s->v_rows + k0, cnt, corr, acc_row, D);
+    else
+        accumulate_values(sr, s->v_rows + k0, cnt, corr, acc_row, D, bf16);
+}
+#endif
+
 /* One work item. Its rows are (query token, query head of this kv head's group) pairs; the
  * token at row r sits at position first_pos + r / group and sees keys [0, that]. Inlined with
  * D a constant for common head sizes, so that a row's accumulator stays in registers.
@@ -258,25 +287,8 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
             const int n = first_pos + r / group + 1 - k0; /* keys of this block that row r sees */
             if (n <= 0) continue;
             const int cnt = n < KEY_BLOCK ? n : KEY_BLOCK;
-            const float *qr = a->q + ROW(r) * D;
-            float *sr = s->scores;
-            int t = 0;
-            for (; t + 8 <= cnt; t += 8) {
-                if (wide)
-                    scores8_wide(qr, s->k_rows + k0 + t, D, a->scale, sr + t);
-                else
-                    scores8(qr, s->k_rows + k0 + t, D, a->scale, sr + t, bf16);
-            }
-            for (; t < cnt; t++) sr[t] = dot(qr, s->k_rows[k0 + t], D, bf16) * a->scale;
-            const float block_max = max_of(sr, cnt);
-            const float m = block_max > row_max[r] ? block_max : row_max[r];
-            const float corr = expf(row_max[r] - m); /* 0 for the first block */
-            row_sum[r] = row_sum[r] * corr + exp_shifted(sr, cnt, m);
-            row_max[r] = m;
-            if (wide)
-                accumulate_values_wide(sr, s->v_rows + k0, cnt, corr, acc + (size_t)r * D, D);
-            else
-                accumulate_values(sr, s->v_rows + k0, cnt, corr, acc + (size_t)r * D, D, bf16);
+            attend_block(a, a->q + ROW(r) * D, s, k0, cnt, &row_max[r], &row_sum[r], acc + (size_t)r * D, D, bf16,
+                         wide);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -321,30 +333,11 @@ static inline __attribute__((always_inline)) void decode_dim(const Args *a, int 
         gather_rows(a, table, h, n, s);
         for (int g = 0; g < group; g++) {
             const size_t row = (size_t)a->query_start[seq] * a->num_heads + (size_t)h * group + g;
-            const float *qr = a->q + row * D;
-            float *sr = s->scores;
             float row_max = -INFINITY, row_sum = 0.f;
             memset(acc, 0, sizeof(float) * D);
-            for (int k0 = 0; k0 < n; k0 += KEY_BLOCK) {
-                const int cnt = n - k0 < KEY_BLOCK ? n - k0 : KEY_BLOCK;
-                int t = 0;
-                for (; t + 8 <= cnt; t += 8) {
-                    if (wide)
-                        scores8_wide(qr, s->k_rows + k0 + t, D, a->scale, sr + t);
-                    else
-                        scores8(qr, s->k_rows + k0 + t, D, a->scale, sr + t, bf16);
-                }
-                for (; t < cnt; t++) sr[t] = dot(qr, s->k_rows[k0 + t], D, bf16) * a->scale;
-                const float block_max = max_of(sr, cnt);
-                const float m = block_max > row_max ? block_max : row_max;
-                const float corr = expf(row_max - m); /* 0 for the first block */
-                row_sum = row_sum * corr + exp_shifted(sr, cnt, m);
-                row_max = m;
-                if (wide)
-                    accumulate_values_wide(sr, s->v_rows + k0, cnt, corr, acc, D);
-                else
-                    accumulate_values(sr, s->v_rows + k0, cnt, corr, acc, D, bf16);
-            }
+            for (int k0 = 0; k0 < n; k0 += KEY_BLOCK)
+                attend_block(a, a->q + row * D, s, k0, n - k0 < KEY_BLOCK ? n - k0 : KEY_BLOCK, &row_max, &row_sum, acc,
+                             D, bf16, wide);
             const v8 inv = (v8){0} + 1.f / row_sum;
             float *out = a->out + row * D;
             for (int i = 0; i < D / 8; i++) *(v8 *)(out + 8 * i) = *(const v8 *)(acc + 8 * i) * inv;
