@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import json
 import os
 import pathlib
@@ -29,6 +31,23 @@ PROMPTS = [
     "His voyages opened the way for the European exploration and colonization of the Americas. Historians",
     "Roses are red, violets are blue,",
 ]
+
+
+@pytest.fixture(autouse=True)
+def _give_back_memory():
+    """After each test, what it freed goes back to the system: glibc keeps freed heap pages (the
+    engines' weights and caches, a gigabyte a model) for reuse, and with the servers the
+    integration tests start beside this process, a full run once outgrew a 24 GiB machine."""
+    yield
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+try:
+    _LIBC = ctypes.CDLL("libc.so.6")
+except OSError:  # not glibc
+    _LIBC = None
 
 
 @pytest.fixture(scope="session")

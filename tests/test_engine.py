@@ -207,11 +207,25 @@ class Collector:
             time.sleep(0.01)
 
 
+_started: list = []
+
+
 def start_async(engine, collector):
     from tritone.engine.async_engine import AsyncEngine
 
     # Built before, so that a test can break it first: the engine thread only takes it.
-    return AsyncEngine(lambda: engine, collector, on_fatal=collector.fatal.append)
+    async_engine = AsyncEngine(lambda: engine, collector, on_fatal=collector.fatal.append)
+    _started.append(async_engine)
+    return async_engine
+
+
+@pytest.fixture(autouse=True)
+def _stop_async_engines():
+    """Stops what a test started, dead or not: a sender thread left waiting holds its engine (a
+    gigabyte of weights) for the rest of the session."""
+    yield
+    while _started:
+        _started.pop().stop(timeout=0)
 
 
 def wait_idle(engine, timeout=60.0):

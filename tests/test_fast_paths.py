@@ -66,26 +66,20 @@ def hf_bf16(model_dir):
     return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
 
 
-_engines: dict = {}
-
-
-def engine_for(model_dir, path):
-    """One engine per path for the module's tests: building one compiles and checks its path."""
+@pytest.fixture(scope="module", params=PATHS, ids=path_id)
+def path_engine(request, model_dir):
+    """One engine per path, shared by that path's tests: building one compiles and checks its path.
+    Module-scoped and parametrized, so pytest runs each path's tests together and frees its engine
+    (about a gigabyte) before the next path's is built."""
+    path = request.param
     skip_unrunnable(path[0], path[2])
-    if path not in _engines:
-        _engines[path] = make_engine(model_dir, *path)
-    return _engines[path]
+    engine = make_engine(model_dir, *path)
+    yield path, engine
+    engine.shutdown()
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _drop_engines():
-    yield
-    _engines.clear()
-
-
-@pytest.mark.parametrize("path", PATHS, ids=path_id)
-def test_each_path_answers_as_hugging_face_in_its_dtype(model_dir, prompt_ids, hf_model, hf_bf16, path):
-    engine = engine_for(model_dir, path)
+def test_each_path_answers_as_hugging_face_in_its_dtype(prompt_ids, hf_model, hf_bf16, path_engine):
+    path, engine = path_engine
     dtype = path[2]
     got = run(engine, prompt_ids, lambda i: SamplingParams(max_tokens=MAX_TOKENS))
     if dtype == "float32":  # the same arithmetic as Hugging Face's, token for token
@@ -110,9 +104,8 @@ def assert_close_to(hf, prompt_ids, got, end_id=2):
             assert len(ours_ended) == len(theirs_ended)
 
 
-@pytest.mark.parametrize("path", PATHS, ids=path_id)
-def test_a_seed_means_one_text_alone_batched_and_after_a_prefix_hit(model_dir, tokenizer, prompt_ids, path):
-    engine = engine_for(model_dir, path)
+def test_a_seed_means_one_text_alone_batched_and_after_a_prefix_hit(tokenizer, prompt_ids, path_engine):
+    engine = path_engine[1]
     seeded = SamplingParams(max_tokens=MAX_TOKENS, temperature=1.3, seed=11, end_id=-1)
     prompt = tokenizer(PROMPTS[6]).input_ids  # a prompt no other test of the engine has sent
     alone = run(engine, [prompt], lambda i: seeded)[0]
