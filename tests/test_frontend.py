@@ -88,13 +88,31 @@ def test_a_bad_or_refused_request_gets_one_final_error_naming_why(detokenizer):
     assert frontend.is_idle
 
 
-def test_aborts_by_key_and_by_triton_request_id(detokenizer):
+def test_aborts_by_triton_request_id_and_an_early_one_meets_its_request(detokenizer):
     frontend = frontend_of(detokenizer)
     for triton_id in ("a", "b", "a"):
         frontend.submit(FakeSender(), request(), triton_id)
-    frontend.abort(1, None)
-    frontend.abort(None, "a")
-    assert frontend.engine.aborted == ["1", "0", "2"]
+    frontend.abort("a")
+    assert frontend.engine.aborted == ["0", "2"]
+    frontend.abort("c")  # its client left while preprocessing tokenized its prompt
+    frontend.submit(FakeSender(), request(), "c")
+    frontend.submit(FakeSender(), request(), "c")  # remembered once, not for good
+    assert frontend.engine.aborted == ["0", "2", "3"]
+
+
+def test_flow_slots_are_given_back_and_keys_are_not_guessable(detokenizer, tmp_path):
+    flow = FlowBoard(tmp_path / "flow")
+    frontend = frontend_of(detokenizer, flow=flow)
+    free = len(frontend.free_slots)
+    senders = [FakeSender() for _ in range(3)]
+    for sender in senders:
+        frontend.submit(sender, request(stream=True, flow_control=True, max_tokens=1))
+    keys = [frontend.streams[str(i)][0].key for i in range(3)]
+    assert len(frontend.free_slots) == free - 3 and len({k >> 16 for k in keys}) == 3
+    for i in range(3):
+        frontend.send(RequestOutput(str(i), [42], [0.0], 2, 1, True, FinishReason.LENGTH))
+    assert frontend.is_idle and len(frontend.free_slots) == free
+    assert all(not flow.is_received(k, 0) for k in keys)  # released: no mark counts for them
 
 
 def test_a_direct_stream_is_polled_for_cancellation_and_an_ensemble_stream_is_not(detokenizer, tmp_path):

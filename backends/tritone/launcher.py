@@ -12,6 +12,7 @@ import json
 import os
 import pathlib
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 
 from tritone.models import cache_root, resolve_model
 from tritone.serving import flow
+from tritone.serving.inputs import CONTROL_KEY_ENV
 
 REPO_ROOT = pathlib.Path(__file__).resolve().parents[2]
 MODEL_REPOSITORY = REPO_ROOT / "model_repository"
@@ -36,6 +38,12 @@ ENSEMBLE_MODELS = ("preprocessing", "llm", "postprocessing", "ensemble")
 INLINE_MODELS = ("llm_inline",)
 # tritonserver's own exit timeout, after the launcher's drain (Server.triton_exit_timeout).
 TRITON_EXIT_GRACE_SECONDS = 10
+# Triton's administrative APIs, which no client of a model needs: registering shared memory
+# (any region, the Python backend's own included: NVIDIA's CVE-2025-23319/23320/23334 chain),
+# the repository, logging, trace and statistics. They answer only requests that carry this
+# header with the admin key (--admin-key); health, metadata, model config and inference stay open.
+RESTRICTED_APIS = "shared-memory,model-repository,logging,trace,statistics"
+ADMIN_HEADER = "tritone-admin-key"
 
 
 @dataclass(slots=True)
@@ -176,7 +184,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="longest text_input or messages accepted, in bytes, checked before tokenizing")
     p.add_argument("--exit-timeout", type=int, default=30,
                    help="seconds in-flight requests get to finish on shutdown, while new ones are refused")
-    p.add_argument("--max-queue-len", type=int, default=0, help="waiting requests beyond this get 'server busy' (0: no limit)")
+    p.add_argument("--max-queue-len", type=int, default=1024,
+                   help="waiting requests beyond this get 'server busy' (default 1024; 0: no limit)")
     p.add_argument("--num-threads", type=int, default=0,
                    help="CPU threads for the model (0: every core)")
     p.add_argument("--compile", default="auto", choices=["auto", "on", "off"],
@@ -217,6 +226,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=None,
                    help="key tritone-openai requires as 'Authorization: Bearer KEY' (default: $TRITONE_API_KEY; "
                         "none: open)")
+    p.add_argument("--admin-key", default=None,
+                   help=f"key of Triton's administrative APIs ({RESTRICTED_APIS}), sent as the header "
+                        f"'{ADMIN_HEADER}: KEY' (default: $TRITONE_ADMIN_KEY; none: a random one, so closed)")
+    p.add_argument("--max-body-bytes", type=int, default=0,
+                   help="largest request body tritone-openai reads (default 0: 4 x --max-input-bytes)")
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="the model's tool-call syntax for tritone-openai (default auto: from the chat template; "
                         "hermes where it names none)")
@@ -279,6 +293,13 @@ class Server:
         self.process: subprocess.Popen | None = None
         self.frontend: subprocess.Popen | None = None
         self.num_restarts = 0
+        self.num_frontend_restarts = 0
+        # Made at every launch, for this server's parts alone (tritone.serving.inputs.CONTROL_KEY_ENV).
+        self.control_key = secrets.token_urlsafe(32)
+        self.admin_key = getattr(args, "admin_key", None) or os.environ.get("TRITONE_ADMIN_KEY") \
+            or secrets.token_urlsafe(32)
+        # The flow board's directory: private to this user, made at start (tritone.serving.flow).
+        self.flow_dir: pathlib.Path | None = None
         self._stdout = None
         self._is_stopping = False
         self._skip_drain = False
@@ -293,6 +314,8 @@ class Server:
             f"--grpc-address={a.host}", f"--grpc-port={a.grpc_port}",
             f"--metrics-address={a.host}", f"--metrics-port={a.metrics_port}",
             "--model-control-mode=none",
+            f"--http-restricted-api={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
+            f"--grpc-restricted-protocol={RESTRICTED_APIS}:{ADMIN_HEADER}={self.admin_key}",
             f"--exit-timeout-secs={self.triton_exit_timeout}",
             f"--log-verbose={a.log_verbose}",
         ]
@@ -304,10 +327,15 @@ class Server:
         for stale in (self.shutdown_file, self.drained_file):
             stale.unlink(missing_ok=True)
         flow.remove_stale()
-        values = {**template_values(self.args, self.model_dir), "shutdown_file": str(self.shutdown_file)}
+        if self.flow_dir is not None:  # a restart's: the last server's page
+            shutil.rmtree(self.flow_dir, ignore_errors=True)
+        self.flow_dir = flow.private_directory()
+        values = {**template_values(self.args, self.model_dir), "shutdown_file": str(self.shutdown_file),
+                  "flow_board": str(self.flow_dir / "board")}
         repository = render_repository(self.run_dir / "model_repository", values, models)
         # Its own session, so that Ctrl-C reaches it once, through us; and it dies with us.
         env = dict(install.env)
+        env[CONTROL_KEY_ENV] = self.control_key
         malloc = find_malloc(getattr(self.args, "malloc", "auto"))
         if malloc is not None:
             env["LD_PRELOAD"] = os.pathsep.join(p for p in (malloc, env.get("LD_PRELOAD", "")) if p)
@@ -325,6 +353,7 @@ class Server:
         if not getattr(a, "openai_port", 0):
             return
         env = dict(os.environ)
+        env[CONTROL_KEY_ENV] = self.control_key
         if a.api_key:
             env["TRITONE_API_KEY"] = a.api_key
         grpc_host = "127.0.0.1" if a.host in ("0.0.0.0", "::", "") else a.host
@@ -335,7 +364,7 @@ class Server:
             parser = parser_for_template(chat_template_text(self.model_dir))
         command = [sys.executable, "-m", "tritone.openai", "--grpc-url", f"{grpc_host}:{a.grpc_port}",
                    "--host", a.host, "--port", str(a.openai_port), "--model-name", self.model_dir.name,
-                   "--tool-call-parser", parser]
+                   "--tool-call-parser", parser, "--max-body-bytes", str(self.max_body_bytes)]
         self.frontend = subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
                                          start_new_session=True, preexec_fn=_die_with_parent)
 
@@ -350,6 +379,12 @@ class Server:
         except subprocess.TimeoutExpired:
             self.frontend.kill()
             self.frontend.wait()
+
+    @property
+    def max_body_bytes(self) -> int:
+        """tritone-openai's body limit: room for a prompt of --max-input-bytes, escaped in JSON."""
+        a = self.args
+        return getattr(a, "max_body_bytes", 0) or 4 * getattr(a, "max_input_bytes", 1 << 20)
 
     @property
     def openai_url(self) -> str | None:
@@ -433,6 +468,7 @@ class Server:
         while True:
             stubs = self.stub_pids()
             while self.process.poll() is None and not self._is_stopping and stubs <= self.stub_pids():
+                self._keep_frontend()
                 time.sleep(poll_seconds)
             if self._is_stopping:
                 # Polled, not waited on: stop() in another thread waits with a timeout, and
@@ -447,6 +483,17 @@ class Server:
                 return self.process.returncode
             self.num_restarts += 1
             self._restart()
+
+    def _keep_frontend(self) -> None:
+        """Restarts tritone-openai if it died: the models' restarts are tritonserver's, its own are
+        here (its clients' requests in flight are lost with it; the engine aborts them when their
+        gRPC streams close)."""
+        if self.frontend is None or self.frontend.poll() is None or self._is_stopping:
+            return
+        print(f"tritone: tritone-openai exited with code {self.frontend.returncode}; restarting it",
+              file=sys.stderr, flush=True)
+        self.num_frontend_restarts += 1
+        self._start_frontend(self._stdout)
 
     def _restart(self, attempts: int = 3) -> None:
         # A start right after a crash has been seen to abort in the Python backend: try again.
@@ -498,6 +545,8 @@ class Server:
             self.process.kill()
             return self.process.wait()
         finally:
+            if self.flow_dir is not None:
+                shutil.rmtree(self.flow_dir, ignore_errors=True)
             flow.remove_stale()  # the llm model unlinks its own page, unless killed
 
 

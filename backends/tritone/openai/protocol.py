@@ -11,15 +11,26 @@ ensemble's `guided_decoding_guide_type` / `guided_decoding_guide`, as TensorRT-L
 from __future__ import annotations
 
 import json
-from typing import Any, Literal
+import logging
+import math
+from typing import Annotated, Any, Literal
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
 
+logger = logging.getLogger("tritone.openai")
 # When a request sets no max_tokens: OpenAI's documented default for completions; for chat,
 # where OpenAI runs to the end of the context, a bound that fits any prompt of the default model.
 DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 1024
+# Integers become int32 tensors, floats float32 ones: numpy wraps an out-of-range int and turns
+# an out-of-range float into inf, so a value is refused unless it fits as it is.
+INT32_MAX = 2**31 - 1
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+Float32 = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
+# json.dumps and the chat template recurse through what they are given; real schemas and
+# messages are nowhere near this deep.
+MAX_NESTING = 64
 
 
 class RequestError(Exception):
@@ -29,6 +40,20 @@ class RequestError(Exception):
                  type: str = "invalid_request_error"):
         super().__init__(message)
         self.message, self.param, self.status, self.type = message, param, status, type
+
+
+def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
+               code: str | None = None) -> dict:
+    """OpenAI's error JSON. A message may quote the client's own text, which can be long and hold
+    lone surrogates that UTF-8 cannot carry: it goes out cut short and escaped."""
+    return {"error": {"message": _printable(message), "type": type, "param": param and _printable(param),
+                      "code": code}}
+
+
+def _printable(text: str, max_chars: int = 500) -> str:
+    if len(text) > max_chars:
+        text = text[:max_chars] + "..."
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class StreamOptions(BaseModel):
@@ -43,23 +68,23 @@ class _Sampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int = 1
+    max_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
+    temperature: Float32 | None = None
+    top_p: Float32 | None = None
+    n: int = Field(default=1, ge=1, le=INT32_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
+    presence_penalty: Float32 | None = None
+    frequency_penalty: Float32 | None = None
     seed: int | None = Field(default=None, ge=0, lt=1 << 64)
     logit_bias: dict[str, float] | None = None
     user: str | None = None  # metadata only
-    top_k: int | None = None
-    min_p: float | None = None
-    min_tokens: int | None = None
+    top_k: int | None = Field(default=None, ge=0, le=INT32_MAX)  # 0: no top-k, as the engine has it
+    min_p: Float32 | None = None
+    min_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     ignore_eos: bool = False
-    repetition_penalty: float | None = None
+    repetition_penalty: Float32 | None = None
     response_format: dict[str, Any] | None = None
     guided_json: dict[str, Any] | str | None = None
     guided_regex: str | None = None
@@ -95,6 +120,7 @@ class _Sampling(BaseModel):
         return (field, *_guide_text(field, kind, value))
 
     def check_supported(self) -> None:
+        self._check_sendable()
         if self.n != 1:
             raise RequestError("n must be 1: one choice per request is supported", "n")
         if self.logit_bias:
@@ -125,6 +151,18 @@ class _Sampling(BaseModel):
             add_guide(inputs, guide[1], guide[2])
         return inputs
 
+    def _check_sendable(self) -> None:
+        """Refuses what cannot go on to the ensemble as it is: text that is not UTF-8 (JSON's
+        escapes can spell a lone surrogate), a float that is not finite (Python's JSON reads
+        NaN and Infinity; json.dumps would write them out as invalid JSON), nesting too deep."""
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if name not in self.model_fields_set or value is None:
+                continue
+            fault = _unsendable(value.model_dump() if isinstance(value, BaseModel) else value, name)
+            if fault is not None:
+                raise RequestError(f"{fault[0]} {fault[1]}", fault[0])
+
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
@@ -136,9 +174,9 @@ class _Sampling(BaseModel):
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str]
-    logprobs: int | None = Field(default=None, ge=0)
+    logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
     echo: bool = False
-    best_of: int | None = None
+    best_of: int | None = Field(default=None, ge=0, le=INT32_MAX)
     suffix: str | None = None
 
     def check_supported(self) -> None:
@@ -172,9 +210,9 @@ class CompletionRequest(_Sampling):
 
 class ChatCompletionRequest(_Sampling):
     messages: list[dict[str, Any]] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(default=None, ge=1, le=INT32_MAX)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None
     functions: list | None = None
@@ -206,8 +244,15 @@ class ChatCompletionRequest(_Sampling):
         """Adds the grammar of the model's tool calls (auto, required or one named function)."""
         from tritone.openai.tools import tool_guide
 
-        if self.calls_tools:
-            add_guide(inputs, "structural_tag", tool_guide(self.tools, self.tool_choice or "auto", parser))
+        if not self.calls_tools:
+            return
+        try:
+            guide = tool_guide(self.tools, self.tool_choice or "auto", parser)
+        except Exception as exc:  # xgrammar asserts on what it cannot use, without a message
+            logger.info("tool grammar refused: %r", exc)
+            raise RequestError("tools cannot be made into a tool-call grammar: check each function's name, "
+                               "description and parameters", "tools") from None
+        add_guide(inputs, "structural_tag", guide)
 
     @property
     def calls_tools(self) -> bool:
@@ -217,17 +262,21 @@ class ChatCompletionRequest(_Sampling):
         if self.tool_choice is not None and not self.tools and self.tool_choice != "none":
             raise RequestError("tool_choice needs tools", "tool_choice")
         for i, tool in enumerate(self.tools or []):
-            function = tool.get("function") if isinstance(tool, dict) else None
+            function = tool.get("function")
             if tool.get("type") != "function" or not isinstance(function, dict) \
                     or not isinstance(function.get("name"), str):
                 raise RequestError(f'tools[{i}] must be {{"type": "function", "function": {{"name": ..., '
                                    f'"parameters": {{...}}}}}}', f"tools[{i}]")
+            if not isinstance(function.get("description", ""), str):
+                raise RequestError(f"tools[{i}].function.description must be a string",
+                                   f"tools[{i}].function.description")
             if not isinstance(function.get("parameters", {}), dict):
                 raise RequestError(f"tools[{i}].function.parameters must be a JSON schema object",
                                    f"tools[{i}].function.parameters")
         choice = self.tool_choice
         if isinstance(choice, dict):
-            name = (choice.get("function") or {}).get("name") if choice.get("type") == "function" else None
+            function = choice.get("function") if choice.get("type") == "function" else None
+            name = function.get("name") if isinstance(function, dict) else None
             if not isinstance(name, str):
                 raise RequestError('tool_choice must be "none", "auto", "required" or {"type": "function", '
                                    '"function": {"name": ...}}', "tool_choice")
@@ -299,13 +348,18 @@ def _plain_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str):
         raise RequestError(f"{field}.role must be a string", f"{field}.role")
-    if role == "assistant" and message.get("tool_calls"):
+    tool_calls = message.get("tool_calls")
+    if role == "assistant" and tool_calls is not None and not isinstance(tool_calls, list):
+        raise RequestError(f"{field}.tool_calls must be a list of tool calls", f"{field}.tool_calls")
+    if role == "assistant" and tool_calls:
         calls = []
-        for j, call in enumerate(message["tool_calls"]):
+        for j, call in enumerate(tool_calls):
             function = call.get("function") if isinstance(call, dict) else None
             if not isinstance(function, dict) or not isinstance(function.get("name"), str):
                 raise RequestError(f"{field}.tool_calls[{j}] must hold a function with a name",
                                    f"{field}.tool_calls[{j}]")
+            if not isinstance(call.get("id", ""), (str, type(None))):
+                raise RequestError(f"{field}.tool_calls[{j}].id must be a string", f"{field}.tool_calls[{j}].id")
             arguments = function.get("arguments", "{}")
             try:
                 arguments = json.loads(arguments) if isinstance(arguments, str) else arguments
@@ -329,6 +383,64 @@ def _plain_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     if isinstance(message.get("name"), str):
         out["name"] = message["name"]
     return out
+
+
+def _unsendable(value, name: str) -> tuple[str, str] | None:
+    """(where, what is wrong) for the first part of field `name`'s value, in the order the client
+    wrote them, that cannot be sent on; None when all can."""
+    if _depth_within(value, MAX_NESTING):
+        try:
+            # In C, and quick; only a value that fails is walked part by part, to name the place.
+            json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
+            return None
+        except ValueError:  # UnicodeEncodeError among them
+            pass
+    return _first_fault(value, name)
+
+
+def _depth_within(value, limit: int) -> bool:
+    """Whether no more than `limit` lists and objects nest in `value`."""
+    level = [value] if isinstance(value, (dict, list)) else []
+    for _ in range(limit):
+        level = [part for v in level for part in (v.values() if isinstance(v, dict) else v)
+                 if isinstance(part, (dict, list))]
+        if not level:
+            return True
+    return not level
+
+
+def _first_fault(value, name: str) -> tuple[str, str] | None:
+    """A loop, not recursion: the nesting is the client's to choose."""
+    stack = [((name,), value)]
+    while stack:
+        where, value = stack.pop()
+        if isinstance(value, str):
+            if not _is_utf8(value):
+                return _path(where), "is not valid UTF-8 text (it holds a lone surrogate such as \\ud800)"
+        elif isinstance(value, float):
+            if not math.isfinite(value):
+                return _path(where), "must be a finite number"
+        elif isinstance(value, (dict, list)):
+            if len(where) > MAX_NESTING:
+                return _path(where), f"is nested deeper than {MAX_NESTING} levels"
+            if isinstance(value, dict) and not all(_is_utf8(key) for key in value):
+                return _path(where), "has a key that is not valid UTF-8 text (a lone surrogate such as \\ud800)"
+            parts = value.items() if isinstance(value, dict) else enumerate(value)
+            stack += reversed([((*where, key), part) for key, part in parts])
+    return None
+
+
+def _path(where: tuple) -> str:
+    """A place in a request as the client wrote it: messages[0].content."""
+    return where[0] + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in where[1:])
+
+
+def _is_utf8(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
 FinishReason = Literal["stop", "length", "tool_calls"]

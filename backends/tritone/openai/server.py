@@ -6,7 +6,11 @@ OpenAI id of its answer. When a client goes away before the end, the front end c
 stream and also tells the `llm` model directly to abort that id (an ABORT_REQUEST_ID control
 request): Triton 2.51 does not pass a cancellation into the ensemble's running llm step, and the
 direct word reaches a request still waiting for the engine or in a long prefill, which has no
-responses for postprocessing to notice the cancellation by.
+responses for postprocessing to notice the cancellation by. The llm model obeys a control request
+only with the server's secret (CONTROL_KEY), which the front end takes from $TRITONE_CONTROL_KEY.
+
+Nothing of the server's own reaches a client: a refusal names the client's field, and a failure
+on the server's side is a generic message (the detail goes to the log).
 """
 
 from __future__ import annotations
@@ -24,13 +28,15 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
-from fastapi import Depends, FastAPI, Request
+from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
 
 from tritone_client.client import infer_inputs
 
-from tritone.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestError, finish_reason
+from tritone.openai.guard import DEFAULT_MAX_BODY_BYTES, Guard
+from tritone.openai.protocol import ChatCompletionRequest, CompletionRequest, RequestError, error_body, finish_reason
 from tritone.openai.tools import PARSERS, ToolStream, parse_tool_calls
 
 logger = logging.getLogger("tritone.openai")
@@ -39,6 +45,12 @@ ENSEMBLE = "ensemble"
 _ENSEMBLE_PREFIX = re.compile(r"^in ensemble '[^']*', ")
 # How long an abort sent to the engine may take before the front end gives up on it.
 _ABORT_TIMEOUT_SECONDS = 5.0
+# What a client hears when tritonserver cannot be reached, or the engine failed: the detail is
+# the server's business, and goes to the log.
+UNAVAILABLE = "the model server is unavailable, retry later"
+ENGINE_FAILED = "the engine failed on this request"
+# Triton's and gRPC's words for a server that is not there (or not serving the ensemble yet).
+_UNAVAILABLE_SIGNS = ("socket closed", "failed to connect", "unavailable", "connection refused", "unknown model")
 
 
 @dataclass(slots=True)
@@ -71,22 +83,50 @@ class Answer:
 
 def error_status(message: str) -> int:
     """The HTTP status of an error the server answered with: the engine's own messages name
-    the field of a bad request; a full queue or a draining server is a retry-later."""
-    if "server busy" in message or "shutting down" in message:
+    the field of a bad request; a full queue, a draining server or one that cannot be reached
+    is a retry-later."""
+    if "server busy" in message or "shutting down" in message or is_unavailable(message):
         return 503
-    if message.startswith("engine error") or "Socket closed" in message or "failed to connect" in message:
+    if message.startswith("engine error"):
         return 500
     return 400
+
+
+def is_unavailable(message: str, code: str = "") -> bool:
+    return "UNAVAILABLE" in code or any(sign in message.lower() for sign in _UNAVAILABLE_SIGNS)
+
+
+def server_error(message: str, guide_field: str | None = None) -> RequestError:
+    """What the client is told of an error response: the engine's refusals as they are (they
+    name the field; a constraint's under the OpenAI field it came from), the server's own
+    failures as generic messages."""
+    status = error_status(message)
+    if status == 503 and is_unavailable(message):
+        logger.warning("the model server is unavailable: %s", message)
+        return RequestError(UNAVAILABLE, status=503, type="server_error")
+    if status == 500:
+        logger.error("%s", message)
+        return RequestError(ENGINE_FAILED, status=500, type="server_error")
+    param = None
+    if guide_field and message.startswith("guided_decoding_guide"):
+        # The engine names the ensemble's input; the client sent an OpenAI field.
+        message = guide_field + message.removeprefix("guided_decoding_guide_type").removeprefix(
+            "guided_decoding_guide")
+        param = guide_field
+    return RequestError(message, param, status=status, type="server_error" if status >= 500 else
+                        "invalid_request_error")
 
 
 class Backend:
     """The ensemble over one gRPC channel, shared by every request."""
 
-    def __init__(self, url: str):
+    def __init__(self, url: str, control_key: str | None = None):
         import tritonclient.grpc.aio as grpcaio
 
         self._grpcaio = grpcaio
         self.client = grpcaio.InferenceServerClient(url)
+        # The llm model's secret for control requests; without it an abort is refused.
+        self.control_key = control_key
         self.aborts: set[asyncio.Task] = set()
 
     def _inputs(self, tensors: dict[str, np.ndarray]) -> list:
@@ -109,7 +149,10 @@ class Backend:
 
     async def abort(self, request_id: str) -> None:
         """Tells the llm model to stop the engine's request of this Triton request id."""
-        inputs = self._inputs({"ABORT_REQUEST_ID": np.array([[request_id.encode()]], dtype=object)})
+        tensors = {"ABORT_REQUEST_ID": np.array([[request_id.encode()]], dtype=object)}
+        if self.control_key:
+            tensors["CONTROL_KEY"] = np.array([[self.control_key.encode()]], dtype=object)
+        inputs = self._inputs(tensors)
 
         async def requests():
             # The llm answers a control request with a final flag and no tensors, which Triton
@@ -152,25 +195,34 @@ class Generation:
         # After the final response the server ends the stream: read on to that end, since a
         # call left open at the last response is cancelled, and Triton 2.51 may then count the
         # ensemble request in flight for good (tritone_client.load reads to the end too).
-        result, error = await self.stream.__anext__()
+        try:
+            result, error = await self.stream.__anext__()
+        except StopAsyncIteration:
+            raise
+        except Exception as exc:
+            raise self._failed(exc) from None
         if error is not None:
             self.is_answered = True
             message = _ENSEMBLE_PREFIX.sub("", error.message() if hasattr(error, "message") else str(error))
-            status = error_status(message)
-            param = None
-            if self.guide_field and message.startswith("guided_decoding_guide"):
-                # The engine names the ensemble's input; the client sent an OpenAI field.
-                message = self.guide_field + message.removeprefix("guided_decoding_guide_type").removeprefix(
-                    "guided_decoding_guide")
-                param = self.guide_field
-            raise RequestError(message, param, status=status,
-                               type="server_error" if status >= 500 else "invalid_request_error")
+            raise server_error(message, self.guide_field)
         chunk = _chunk(result)
         if chunk.num_input_tokens is None:
             chunk.num_input_tokens = self.num_input_tokens
         self.num_input_tokens = chunk.num_input_tokens
         self.is_answered = self.is_answered or chunk.finish_reason is not None
         return chunk
+
+    def _failed(self, exc: Exception) -> RequestError:
+        """grpc.aio raises a failed call (a server that cannot be reached, or went away) rather
+        than answering with an error response."""
+        code = exc.code() if callable(getattr(exc, "code", None)) else ""
+        details = exc.details() if callable(getattr(exc, "details", None)) else str(exc)
+        if is_unavailable(str(details), str(code)):
+            self.is_answered = True  # nothing there to abort
+            logger.warning("the model server is unavailable: %s %s", code, details)
+            return RequestError(UNAVAILABLE, status=503, type="server_error")
+        logger.error("the gRPC stream of %s failed: %r", self.request_id, exc)
+        return RequestError(ENGINE_FAILED, status=500, type="server_error")
 
     async def read_to_end(self) -> None:
         async for _ in self:
@@ -201,13 +253,17 @@ def _chunk(result) -> Chunk:
     )
 
 
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    return {"error": {"message": message, "type": type, "param": param, "code": code}}
-
-
 def error_response(exc: RequestError) -> JSONResponse:
     return JSONResponse(error_body(exc.message, exc.type, exc.param), status_code=exc.status)
+
+
+def _param(loc) -> str | None:
+    """The field a validation error's location names, as the client wrote it: messages[0].role."""
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    param = ""
+    for part in parts:
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
+    return param or None
 
 
 def _sse(payload: dict | str) -> bytes:
@@ -217,16 +273,23 @@ def _sse(payload: dict | str) -> bytes:
 class OpenAIServer:
     """The routes, for one served model name, over one Backend."""
 
-    def __init__(self, backend_url: str, model_name: str, api_key: str | None = None, tool_parser: str = "hermes"):
+    def __init__(self, backend_url: str, model_name: str, api_key: str | None = None, tool_parser: str = "hermes",
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, control_key: str | None = None):
         self.backend_url, self.model_name, self.api_key = backend_url, model_name, api_key
-        self.tool_parser = tool_parser
+        self.tool_parser, self.control_key = tool_parser, control_key
         self.backend: Backend | None = None
         self.created = int(time.time())
-        self.app = FastAPI(title="tritone-openai", lifespan=self._lifespan)
+        # No generated docs: they would describe the server to anyone who asks, key or not.
+        self.app = FastAPI(title="tritone-openai", lifespan=self._lifespan, docs_url=None, redoc_url=None,
+                           openapi_url=None)
+        self.app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
         self._routes()
 
     async def _lifespan(self, app):
-        self.backend = Backend(self.backend_url)
+        if not self.control_key:
+            logger.warning("TRITONE_CONTROL_KEY is not set: aborts of requests whose clients leave cannot reach "
+                           "the engine (they run on to max_tokens); set it to the server's control key")
+        self.backend = Backend(self.backend_url, self.control_key)
         yield
         if self.backend.aborts:
             await asyncio.wait(self.backend.aborts, timeout=_ABORT_TIMEOUT_SECONDS)
@@ -238,15 +301,30 @@ class OpenAIServer:
         @app.exception_handler(RequestValidationError)
         async def invalid(_, exc: RequestValidationError):
             first = exc.errors()[0]
-            loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-            param = ".".join(loc) or None
+            if first.get("type") == "json_invalid":
+                position = (first.get("loc") or ("body", "?"))[-1]
+                message = f"the body is not valid JSON: {(first.get('ctx') or {}).get('error', first.get('msg'))} " \
+                          f"(at character {position})"
+                return error_response(RequestError(message))
+            param = _param(first.get("loc", ()))
             if first.get("type") == "extra_forbidden":
                 message = f"{param} is not a supported parameter"
-            elif first.get("type") == "json_invalid":
-                message = f"the body is not valid JSON: {first.get('msg')}"
             else:
                 message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
             return error_response(RequestError(message, param))
+
+        @app.exception_handler(HTTPException)
+        async def http_error(_, exc: HTTPException):
+            # Starlette's own refusals (no such route, a wrong method, a body that is not JSON
+            # text) in OpenAI's shape.
+            type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+            return JSONResponse(error_body(str(exc.detail), type), status_code=exc.status_code, headers=exc.headers)
+
+        @app.exception_handler(Exception)
+        async def failed(request: Request, exc: Exception):
+            # The aim is that nothing gets here; what does is the server's fault, not the client's.
+            logger.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+            return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
 
         @app.exception_handler(ClientGone)
         async def gone(_, exc: ClientGone):
@@ -256,35 +334,24 @@ class OpenAIServer:
         async def refused(_, exc: RequestError):
             return error_response(exc)
 
-        async def authorize(request: Request):
-            # A dependency rather than a middleware: Starlette's BaseHTTPMiddleware wraps the
-            # connection's receive, through which a streamed response notices a disconnect.
-            if self.api_key:
-                given = request.headers.get("authorization", "")
-                if not secrets.compare_digest(given.encode(), f"Bearer {self.api_key}".encode()):
-                    raise RequestError("invalid or missing API key (Authorization: Bearer ...)", status=401,
-                                       type="authentication_error")
-
-        auth = [Depends(authorize)]
-
         @app.get("/health")
         async def health():
             return {"status": "ok"}
 
-        @app.get("/v1/models", dependencies=auth)
+        @app.get("/v1/models")
         async def models():
             return {"object": "list", "data": [self._model_card()]}
 
-        @app.get("/v1/models/{name:path}", dependencies=auth)
+        @app.get("/v1/models/{name:path}")
         async def model(name: str):
             self._check_model(name)
             return self._model_card()
 
-        @app.post("/v1/completions", dependencies=auth)
+        @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
             return await self._serve(body, request, "cmpl", _CompletionFormat)
 
-        @app.post("/v1/chat/completions", dependencies=auth)
+        @app.post("/v1/chat/completions")
         async def chat(body: ChatCompletionRequest, request: Request):
             return await self._serve(body, request, "chatcmpl", _ChatFormat)
 
@@ -483,8 +550,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=PARSERS,
                    help="the model's tool-call syntax (default hermes: <tool_call> blocks, as Qwen 2.5 / 3 write "
                         "them; llama3_json: Llama 3.x JSON); scripts/serve picks it from the chat template")
+    p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
+                   help=f"refuse a request body larger than this with 413, before reading it "
+                        f"(default {DEFAULT_MAX_BODY_BYTES}: 4 MiB)")
     p.add_argument("--log-level", default="warning")
     return p
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number of bytes, got {text!r}")
+    return int(text)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -492,7 +568,10 @@ def main(argv: list[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="tritone-openai: %(message)s")
-    server = OpenAIServer(args.grpc_url, args.model_name, args.api_key, args.tool_call_parser)
+    # The control key by environment only, out of the process list.
+    server = OpenAIServer(args.grpc_url, args.model_name, args.api_key, args.tool_call_parser,
+                          max_body_bytes=args.max_body_bytes,
+                          control_key=os.environ.get("TRITONE_CONTROL_KEY") or None)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

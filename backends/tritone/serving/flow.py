@@ -14,9 +14,16 @@ whether it is busy; the llm model reads the marks:
 - cancellation: a chunk is lost (the batcher refused it: its ensemble request was cancelled) when
   postprocessing received a later chunk, or sat idle with an empty queue, long after it was sent.
 
-The page is named after tritonserver's pid, the parent of every model process, so the models find
-it without configuration. All values are aligned 8-byte words written whole, so a reader never
-sees half a write; each slot and cell has one writer at a time.
+The launcher puts the page in a directory of its own that only the server's user can enter, and
+names it in the models' `flow_board` parameter; without it, the page is named after
+tritonserver's pid, the parent of every model process. All values are aligned 8-byte words
+written whole, so a reader never sees half a write; each slot and cell has one writer at a time.
+
+Postprocessing is a public model: anyone may send it a STATE. A stream's key is its slot on the
+page and a random number the llm model wrote there (`new_key`, `register`); a mark counts only for
+the key the slot holds, and a send number only up to the stream's last real send, so a forged
+STATE marks nothing and makes no other stream's chunk look lost. The keys of ensemble streams
+never leave the server: the ensemble does not return STATE.
 """
 
 from __future__ import annotations
@@ -26,18 +33,22 @@ import fcntl
 import mmap
 import os
 import pathlib
+import secrets
+import stat
 import tempfile
 import time
 from dataclasses import dataclass
 
 import numpy as np
 
-NUM_SLOTS = 1 << 16  # per stream: (key << SEQ_BITS) | chunk sequence number, of its last chunk received
+SLOT_BITS = 16
+NUM_SLOTS = 1 << SLOT_BITS  # per stream: its key, its last chunk received, its last send number
+_SLOT_FIELDS = 3
+_OWNER, _MARK, _SENT = range(_SLOT_FIELDS)
 NUM_CELLS = 64  # per postprocessing instance
-SEQ_BITS = 24
 _CELL_FIELDS = 4  # pid, busy, idle since (monotonic ns, 0 while busy), latest send number received
 _PID, _BUSY, _IDLE_SINCE, _LAST_SENT = range(_CELL_FIELDS)
-_BYTES = 8 * (NUM_SLOTS + NUM_CELLS * _CELL_FIELDS)
+_BYTES = 8 * (NUM_SLOTS * _SLOT_FIELDS + NUM_CELLS * _CELL_FIELDS)
 
 # A chunk counts as lost only this long after it was sent, and only on evidence this old: the
 # batcher hands a batch to an instance within microseconds, and its stub marks it at once, so
@@ -56,22 +67,43 @@ def default_path() -> pathlib.Path:
     return _directory() / f"tritone-flow-{os.getppid()}"
 
 
+def private_directory() -> pathlib.Path:
+    """A new directory for one server's page that only this user can enter (the launcher's)."""
+    return pathlib.Path(tempfile.mkdtemp(prefix=f"tritone-{os.getpid()}-", dir=_directory()))
+
+
 def remove_stale(directory: pathlib.Path | None = None) -> int:
-    """Removes the pages of servers that are gone (a killed server's llm model never unlinks
-    its own); returns how many. The launcher calls it at every start and stop."""
+    """Removes the pages, and the launchers' directories, of servers that are gone (a killed
+    server's llm model never unlinks its own); returns how many. Another user's are left alone.
+    The launcher calls it at every start and stop."""
     removed = 0
-    for path in (directory or _directory()).glob("tritone-flow-*"):
-        pid = path.name.removeprefix("tritone-flow-")
-        if pid.isdigit() and not _alive(int(pid)):
-            path.unlink(missing_ok=True)
+    for path in (directory or _directory()).glob("tritone-*"):
+        pid = path.name.removeprefix("tritone-flow-") if path.name.startswith("tritone-flow-") \
+            else path.name.split("-")[1]
+        try:
+            if not pid.isdigit() or _alive(int(pid)) or path.lstat().st_uid != os.getuid():
+                continue
+            if path.is_dir() and not path.is_symlink():
+                for child in path.iterdir():
+                    child.unlink()
+                path.rmdir()
+            else:
+                path.unlink()
             removed += 1
+        except OSError:  # removed by another launcher meanwhile
+            continue
     return removed
+
+
+def new_key(slot: int) -> int:
+    """A stream's key on the board: its slot, and 46 random bits no client can guess."""
+    return ((secrets.randbits(46) | 1) << SLOT_BITS) | slot
 
 
 class FlowBoard:
     def __init__(self, path: pathlib.Path | str | None = None):
         self.path = pathlib.Path(path) if path else default_path()
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
+        fd = _open_private(self.path)
         try:
             with _locked(fd):
                 if os.fstat(fd).st_size < _BYTES:
@@ -80,8 +112,8 @@ class FlowBoard:
         finally:
             os.close(fd)
         words = np.frombuffer(self._map, dtype=np.int64)
-        self.slots = words[:NUM_SLOTS]
-        self.cells = words[NUM_SLOTS:].reshape(NUM_CELLS, _CELL_FIELDS)
+        self.slots = words[:NUM_SLOTS * _SLOT_FIELDS].reshape(NUM_SLOTS, _SLOT_FIELDS)
+        self.cells = words[NUM_SLOTS * _SLOT_FIELDS:].reshape(NUM_CELLS, _CELL_FIELDS)
         self.cell: int | None = None
 
     # ---- postprocessing's side
@@ -89,7 +121,7 @@ class FlowBoard:
     def claim_cell(self) -> int | None:
         """A cell for this process (one whose process is gone is taken over); None when all are
         held, and then this instance marks chunks but not its idleness."""
-        fd = os.open(self.path, os.O_RDWR)
+        fd = _open_private(self.path)
         try:
             with _locked(fd):
                 for i, pid in enumerate(self.cells[:, _PID].tolist()):
@@ -102,14 +134,19 @@ class FlowBoard:
         return None
 
     def received(self, marks: list[tuple[int, int, int]]) -> None:
-        """At the start of an execute: the (request key, chunk number, send number) of each chunk."""
+        """At the start of an execute: the (request key, chunk number, send number) of each chunk.
+        A mark whose key its slot does not hold is not the llm model's, and counts for nothing."""
         if self.cell is not None:
             self.cells[self.cell, _IDLE_SINCE] = 0
             self.cells[self.cell, _BUSY] = 1
         last = -1
         for key, seq, sent in marks:
-            self.slots[key % NUM_SLOTS] = (key << SEQ_BITS) | seq
-            last = max(last, sent)
+            slot = self.slots[key & (NUM_SLOTS - 1)]
+            if key <= 0 or slot[_OWNER] != key:
+                continue
+            if seq > slot[_MARK]:
+                slot[_MARK] = seq
+            last = max(last, min(sent, int(slot[_SENT])))
         if self.cell is not None and last > self.cells[self.cell, _LAST_SENT]:
             self.cells[self.cell, _LAST_SENT] = last
 
@@ -123,19 +160,31 @@ class FlowBoard:
 
     def reset(self) -> None:
         """At the llm model's start, before any chunk: forgets what a server that had this pid
-        before left here (its streams' keys start again from 0) and its gone instances."""
+        before left here and its gone instances."""
         self.slots[:] = 0
         for i, pid in enumerate(self.cells[:, _PID].tolist()):
             if pid and not _alive(pid):
                 self.cells[i] = 0
 
+    def register(self, key: int) -> None:
+        """A new stream takes its key's slot; marks of the slot's last stream count no more."""
+        slot = self.slots[key & (NUM_SLOTS - 1)]
+        slot[_OWNER] = 0
+        slot[_MARK] = 0
+        slot[_SENT] = -1
+        slot[_OWNER] = key
+
+    def release(self, key: int) -> None:
+        self.slots[key & (NUM_SLOTS - 1), _OWNER] = 0
+
+    def sending(self, key: int, sent: int) -> None:
+        """Before a chunk goes out: the highest send number a mark of this stream may claim."""
+        self.slots[key & (NUM_SLOTS - 1), _SENT] = sent
+
     def is_received(self, key: int, seq: int) -> bool:
-        """Whether chunk `seq` of stream `key` (or a later one) reached postprocessing. Keys only
-        grow: a slot that holds an earlier key has no mark of this stream yet; one taken by a
-        stream 65,536 keys later reads as received, and this stream is then never held."""
-        word = int(self.slots[key % NUM_SLOTS])
-        marked = word >> SEQ_BITS
-        return marked > key or (marked == key and (word & ((1 << SEQ_BITS) - 1)) >= seq)
+        """Whether chunk `seq` of stream `key` (or a later one) reached postprocessing."""
+        slot = self.slots[key & (NUM_SLOTS - 1)]
+        return slot[_OWNER] == key and slot[_MARK] >= seq
 
     def evidence(self, now_ns: int) -> "Evidence":
         """What postprocessing's instances show now: the latest send number any received, and
@@ -193,6 +242,18 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def _open_private(path: pathlib.Path) -> int:
+    """The page, opened or made, if it is a plain file of this user that no one else may read: a
+    link or another user's file put in its place (its name can be guessed) is refused."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    info = os.fstat(fd)
+    if not stat.S_ISREG(info.st_mode) or info.st_uid != os.getuid() or info.st_mode & 0o077:
+        os.close(fd)
+        raise RuntimeError(f"flow board {path}: not a private file of this user (remove it, or start the server "
+                           "with its launcher, which makes a private directory for it)")
+    return fd
 
 
 @contextlib.contextmanager

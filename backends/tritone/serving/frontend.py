@@ -21,7 +21,7 @@ from tritone.engine.async_engine import AsyncEngine
 from tritone.engine.core import LLMEngine
 from tritone.engine.data_parallel import DataParallelEngine
 from tritone.scheduling.request import FinishReason, RequestOutput
-from tritone.serving.flow import FlowBoard
+from tritone.serving.flow import NUM_SLOTS, FlowBoard, new_key
 from tritone.serving.inputs import LLMRequest
 from tritone.serving.lifecycle import end_process
 from tritone.serving.responses import ResponseStream, error_message
@@ -36,6 +36,10 @@ from tritone.text import Detokenizer
 CANCEL_POLL_SECONDS = 0.1
 FLOW_POLL_SECONDS = 0.05
 METRICS_SECONDS = 0.25
+# An abort may arrive before its request (a client that leaves while its prompt is tokenized):
+# it is kept this long, and at most this many, to meet the request.
+EARLY_ABORT_SECONDS = 60.0
+MAX_EARLY_ABORTS = 4096
 
 Tensors = dict[str, np.ndarray]
 
@@ -54,7 +58,11 @@ class EngineFrontend:
         self.flow, self.outputs = flow, outputs
         self.streams: dict[str, tuple[ResponseStream, object, str | None]] = {}
         self.final_lock = threading.Lock()
+        # The engine's ids of requests: internal, never in a response.
         self.ids, self.sends = itertools.count(), itertools.count()
+        # Flow-board slots of streams not running (slot 0 never: an unset key reads as 0).
+        self.free_slots = list(range(NUM_SLOTS - 1, 0, -1))
+        self.early_aborts: dict[str, float] = {}
         self.stopping = threading.Event()
         self.engine: AsyncEngine | DataParallelEngine | None = None
 
@@ -85,13 +93,20 @@ class EngineFrontend:
         try:
             if isinstance(request, Exception):
                 raise request
-            stream = ResponseStream(request, self.detokenizer, self.stream_interval, key=int(request_id),
-                                    flow=self.flow if request.flow_control else None, sends=self.sends)
+            flow = self.flow if request.flow_control and self.free_slots else None
+            key = new_key(self.free_slots.pop()) if flow is not None else 0
+            if flow is not None:
+                flow.register(key)
+            stream = ResponseStream(request, self.detokenizer, self.stream_interval, key=key, flow=flow,
+                                    sends=self.sends)
             self.streams[request_id] = (stream, sender, triton_id)
             self.engine.submit(request_id, request.prompt_ids, request.params)
+            aborted_at = self.early_aborts.pop(triton_id, None) if triton_id else None
+            if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_SECONDS:
+                self.engine.abort(request_id)
         except (ValueError, RuntimeError) as exc:
             with self.final_lock:
-                self.streams.pop(request_id, None)
+                self._forget(request_id)
                 self._send_final(sender, self._error(str(exc)))
 
     def send(self, output: RequestOutput) -> None:
@@ -115,16 +130,28 @@ class EngineFrontend:
             return
         with self.final_lock:
             if message is not None:  # the last try: the engine's sender sends nothing after it
-                del self.streams[output.request_id]
+                self._forget(output.request_id)
             self._send_final(sender, response)  # if it raises, the engine's sender sends an error
-            self.streams.pop(output.request_id, None)
+            self._forget(output.request_id)
 
-    def abort(self, key: int | None, triton_id: str | None) -> None:
-        """Stops the engine's request of this key, or those of this Triton request id. Unknown or
-        finished requests are ignored: aborts may race with the end of a request."""
-        ids = [str(key)] if key is not None else [i for i, e in list(self.streams.items()) if e[2] == triton_id]
+    def _forget(self, request_id: str) -> None:
+        entry = self.streams.pop(request_id, None)
+        if entry is not None and entry[0].flow is not None:
+            entry[0].flow.release(entry[0].key)
+            self.free_slots.append(entry[0].key & (NUM_SLOTS - 1))
+
+    def abort(self, triton_id: str) -> None:
+        """Stops the requests of this Triton request id. Finished ones are ignored (aborts race
+        with the ends of requests); one not here yet is remembered for a while, to meet it."""
+        ids = [i for i, e in list(self.streams.items()) if e[2] == triton_id]
         for request_id in ids:
             self.engine.abort(request_id)
+        if not ids:
+            now = time.monotonic()
+            if len(self.early_aborts) >= MAX_EARLY_ABORTS:
+                self.early_aborts = {t: at for t, at in self.early_aborts.items() if now - at < EARLY_ABORT_SECONDS}
+            if len(self.early_aborts) < MAX_EARLY_ABORTS:
+                self.early_aborts[triton_id] = now
 
     def watch_cancellations(self) -> None:
         # The engine answers an abort with a final "cancelled" output, which closes the stream;

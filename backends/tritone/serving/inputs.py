@@ -8,6 +8,8 @@ so all parsing and validation is tested here; a field that is not valid raises V
 from __future__ import annotations
 
 import json
+import os
+import secrets
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -29,9 +31,38 @@ def triton_getter(pb_utils, request) -> Getter:
 
 
 # Stop words are matched on every response's text, and bad words ban token sequences at every
-# step: a request may not make that work unbounded.
+# step: a request may not make that work unbounded. The llm model enforces them too: anyone may
+# call it directly, past preprocessing.
 MAX_WORDS = 256
 MAX_WORDS_BYTES = 16384
+MAX_BAD_WORD_IDS = 4096
+# A structured output's schema, regex or grammar.
+MAX_GUIDE_BYTES = 1 << 20
+
+# The server's secret for what only its own parts may ask of the llm model: the ensemble's flow
+# control and tritone-openai's aborts. The launcher makes one at every start and hands it to
+# tritonserver's and tritone-openai's environments; it never appears in a response.
+CONTROL_KEY_ENV = "TRITONE_CONTROL_KEY"
+
+
+def server_control_key() -> bytes | None:
+    key = os.environ.get(CONTROL_KEY_ENV)
+    return key.encode() if key else None
+
+
+def _is_control_key(get: Getter, server_key: bytes | None) -> bool:
+    """Whether the request carries the server's control key (False when it carries none);
+    a wrong one is refused, naming the field."""
+    given = get("CONTROL_KEY")
+    if given is None:
+        return False
+    if server_key is None:  # a server started without the launcher: the ensemble's own word
+        return True
+    value = given.reshape(-1)[0] if given.size else b""
+    value = value if isinstance(value, (bytes, np.bytes_)) else str(value).encode()
+    if not secrets.compare_digest(bytes(value), server_key):
+        raise ValueError("control_key is not this server's: control inputs are for the server's own models")
+    return True
 
 
 def scalar(get: Getter, name: str, default=None):
@@ -96,7 +127,29 @@ def parse_messages(raw, max_bytes: int = 0) -> list[dict]:
             raise ValueError(f"messages[{i}] must be an object with a string role and a string content")
         if "tool_calls" in message and not isinstance(message["tool_calls"], list):
             raise ValueError(f"messages[{i}].tool_calls must be a list")
+        for j, call in enumerate(message.get("tool_calls") or ()):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
+                raise ValueError(f'messages[{i}].tool_calls[{j}] must be {{"function": {{"name": ..., "arguments": ...}}}}')
+    check_strings(messages, "messages")
     return messages
+
+
+def check_strings(value, name: str) -> None:
+    """Refuses a string that has no UTF-8 form, naming where it is: JSON may spell a lone
+    surrogate ("\\ud800"), which parses, then fails the tokenizer for every request batched with it."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"{name} is not valid UTF-8 (a lone surrogate)") from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            check_strings(key, name)
+            check_strings(item, f"{name}.{key}")
+    elif isinstance(value, list):
+        for i, item in enumerate(value):
+            check_strings(item, f"{name}[{i}]")
 
 
 def parse_tools(raw, max_bytes: int = 0) -> list[dict]:
@@ -108,6 +161,7 @@ def parse_tools(raw, max_bytes: int = 0) -> list[dict]:
         function = tool.get("function") if isinstance(tool, dict) else None
         if not (isinstance(function, dict) and isinstance(function.get("name"), str)):
             raise ValueError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}}")
+    check_strings(tools, "tools")
     return tools
 
 
@@ -132,8 +186,10 @@ class LLMRequest:
     flow_control: bool = False
 
 
-def parse_llm_request(get: Getter) -> LLMRequest:
-    """Reads the `llm` model's inputs; raises ValueError naming the field."""
+def parse_llm_request(get: Getter, server_key: bytes | None = None) -> LLMRequest:
+    """Reads the `llm` model's inputs; raises ValueError naming the field. `server_key`: the
+    server's control key, which the ensemble's requests carry (flow control)."""
+    flow_control = _is_control_key(get, server_key)
     input_ids = get("INPUT_IDS")
     if input_ids is None:
         raise ValueError("input_ids is missing")
@@ -170,7 +226,7 @@ def parse_llm_request(get: Getter) -> LLMRequest:
         exclude_input_in_output=bool(scalar(get, "EXCLUDE_INPUT_IN_OUTPUT", True)),
         skip_special_tokens=bool(scalar(get, "SKIP_SPECIAL_TOKENS", True)),
         stop_words=text_list(get, "STOP_WORDS"),
-        flow_control=bool(scalar(get, "FLOW_CONTROL", False)),
+        flow_control=flow_control,
     )
 
 
@@ -184,23 +240,37 @@ def parse_guide(get: Getter) -> Guide | None:
         if guide is not None:
             raise ValueError("guided_decoding_guide needs guided_decoding_guide_type")
         return None
+    if guide is not None and len(guide) > MAX_GUIDE_BYTES:
+        raise ValueError(f"guided_decoding_guide is {len(guide)} characters long, over the limit of {MAX_GUIDE_BYTES}")
     return Guide(str(guide_type), "" if guide is None else str(guide))
 
 
-def abort_target(get: Getter) -> tuple[int | None, str | None] | None:
-    """A control request's target: (engine key, None) or (None, Triton request id); None for a
-    generation request."""
-    key, request_id = get("ABORT_KEY"), get("ABORT_REQUEST_ID")
-    if key is not None:
-        return int(key.reshape(-1)[0]), None
-    if request_id is not None:
-        return None, decode_text(request_id.reshape(-1)[0], "abort_request_id")
-    return None
+def abort_target(get: Getter, server_key: bytes | None) -> str | None:
+    """A control request's target, the Triton request id whose requests to stop; None for a
+    generation request. Only the server's own parts may send one: ids are the clients' to
+    choose ("0", "1", ...), so without the key anyone could stop anyone's requests."""
+    request_id = get("ABORT_REQUEST_ID")
+    if request_id is None:
+        return None
+    if server_key is None or get("CONTROL_KEY") is None:
+        raise ValueError("abort_request_id needs the server's control_key: control requests are for the "
+                         "server's own front end")
+    _is_control_key(get, server_key)
+    return decode_text(request_id.reshape(-1)[0], "abort_request_id")
 
 
 def _word_ids(get: Getter, name: str) -> list[list[int]]:
     array = get(name)
-    return [] if array is None else from_word_list_tensor(array)
+    if array is None:
+        return []
+    if array.ndim != 2 or array.shape[0] != 2:
+        raise ValueError(f"{name.lower()} must have shape [2, N] (ids, then offsets), got {list(array.shape)}")
+    if array.shape[1] > MAX_BAD_WORD_IDS:
+        raise ValueError(f"{name.lower()} holds {array.shape[1]} ids, over the limit of {MAX_BAD_WORD_IDS}")
+    words = from_word_list_tensor(array)
+    if len(words) > MAX_WORDS:
+        raise ValueError(f"{name.lower()} holds {len(words)} sequences, over the limit of {MAX_WORDS}")
+    return words
 
 
 def model_parameters(model_config: dict) -> dict[str, str]:
@@ -211,6 +281,13 @@ def model_parameters(model_config: dict) -> dict[str, str]:
 def is_set(value: str | None) -> bool:
     """An unfilled `${template}` or empty parameter counts as unset."""
     return bool(value) and not value.startswith("${")
+
+
+def flow_board_path(params: dict[str, str]) -> str | None:
+    """The `flow_board` parameter: the page's path in the launcher's private directory (None:
+    the default, named after tritonserver's pid)."""
+    path = params.get("flow_board")
+    return path if is_set(path) else None
 
 
 def stream_interval(params: dict[str, str]) -> int:

@@ -35,6 +35,7 @@ class Preprocessor:
         results: list = [None] * len(getters)
         prepared, index = [], []
         for i, get in enumerate(getters):
+            name = "text_input"
             try:
                 name, prompt = self._prompt(get)
                 flag = scalar(get, "APPLY_CHAT_TEMPLATE")
@@ -45,16 +46,38 @@ class Preprocessor:
             except ValueError as exc:
                 results[i] = exc
                 continue
+            except Exception as exc:  # an input no check foresaw fails its own request, not the batch
+                results[i] = ValueError(f"{name} cannot be prepared: {type(exc).__name__}: {exc}")
+                continue
             results[i] = {"BAD_WORDS_IDS": to_word_list_tensor(bad_words)}
             prepared.append(text)
             index.append((i, name))
-        for (i, name), ids in zip(index, self.encoder.tokenize(prepared) if prepared else []):
-            if self.max_input_len and len(ids) > self.max_input_len:
+        for (i, name), ids in zip(index, self._tokenize(prepared, [name for _, name in index])):
+            if isinstance(ids, Exception):
+                results[i] = ids
+            elif self.max_input_len and len(ids) > self.max_input_len:
                 results[i] = ValueError(f"{name} is {len(ids)} tokens long, over the limit of "
                                         f"{self.max_input_len} tokens")
             else:
                 results[i]["INPUT_IDS"] = np.array(ids, dtype=np.int32)
         return results
+
+    def _tokenize(self, prepared: list, names: list[str]) -> list:
+        """One tokenizer call for the batch; if it fails, one call per prompt, so that the prompt
+        at fault fails alone."""
+        if not prepared:
+            return []
+        try:
+            return self.encoder.tokenize(prepared)
+        except Exception:
+            pass
+        out = []
+        for item, name in zip(prepared, names):
+            try:
+                out.append(self.encoder.tokenize([item])[0])
+            except Exception as exc:
+                out.append(ValueError(f"{name} cannot be tokenized: {type(exc).__name__}: {exc}"))
+        return out
 
     def _prompt(self, get: Getter) -> tuple[str, str | list[dict]]:
         text, messages = get("TEXT_INPUT"), get("MESSAGES")
@@ -90,16 +113,25 @@ class Postprocessor:
 
         return cls(Detokenizer(load_tokenizer(params["model_dir"])), flow)
 
-    def __call__(self, getters: list[Getter]) -> list[dict[str, np.ndarray]]:
+    def __call__(self, getters: list[Getter]) -> list["dict[str, np.ndarray] | ValueError"]:
+        # A public model: a malformed request (from a direct caller) fails alone.
         raw = [get("STATE") for get in getters]
-        states = [ResponseState.read(r) for r in raw]
+        states = [_read_state(r) for r in raw]
         if self.flow is not None:  # first of all: the llm model holds these streams until then
-            self.flow.received([(s.request_key, s.chunk_seq, s.send_seq) for s in states])
+            self.flow.received([(s.request_key, s.chunk_seq, s.send_seq) for s in states
+                                if not isinstance(s, Exception)])
         try:
-            return [self._one(get, state, ResponseState.context_ids(r)) for get, state, r in zip(getters, states, raw)]
+            return [state if isinstance(state, Exception) else self._checked(get, state, r)
+                    for get, state, r in zip(getters, states, raw)]
         finally:
             if self.flow is not None:
                 self.flow.done()
+
+    def _checked(self, get: Getter, state: ResponseState, raw: np.ndarray):
+        try:
+            return self._one(get, state, ResponseState.context_ids(raw))
+        except Exception as exc:
+            return ValueError(f"token_ids cannot be decoded: {type(exc).__name__}: {exc}")
 
     def _one(self, get: Getter, state: ResponseState, context_ids: list[int]) -> dict[str, np.ndarray]:
         # Every output tensor is work for this process and tritonserver on every response: the
@@ -124,3 +156,13 @@ class Postprocessor:
                                       skip_special_tokens=state.skip_special_tokens)
         # A stop word begins inside this chunk's text: it ends right before it.
         return text[:max(0, len(text) - state.num_dropped_chars)]
+
+
+def _read_state(raw: np.ndarray | None) -> "ResponseState | ValueError":
+    if raw is None or raw.size < len(ResponseState._fields):
+        return ValueError("state is missing or too short")
+    try:
+        state = ResponseState.read(raw)
+    except (IndexError, ValueError, TypeError) as exc:
+        return ValueError(f"state is malformed: {exc}")
+    return state

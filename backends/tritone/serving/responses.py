@@ -32,6 +32,7 @@ class ResponseState(NamedTuple):
     num_input_tokens: int
     num_output_tokens: int
     finish_reason: str
+    # The stream's flow-board key (0: none), which postprocessing marks.
     request_key: int
     # The stream's chunk number, and the chunk's place among every stream's chunks in the order
     # they were sent: what postprocessing marks on the flow board (tritone.serving.flow).
@@ -69,7 +70,7 @@ class ResponseStream:
     # A streamed response carries at least this many new tokens, except the first and the final
     # one: fewer responses, each with more text (vLLM's --stream-interval).
     stream_interval: int = 1
-    # The engine's key of the request, which postprocessing hands back to abort it.
+    # The stream's key on the flow board (tritone.serving.flow.new_key); 0 without one.
     key: int = 0
     # Ids the client sees: the prompt first when it asked for it, then the generated ids.
     ids: list[int] = field(default_factory=list)
@@ -127,6 +128,8 @@ class ResponseStream:
         first, last = max(0, self.num_sent - self.num_prompt_ids), end - self.num_prompt_ids
         self.num_sent, self.is_finished = end, final
         seq, sent = (self.in_flight.seq + 1 if self.in_flight else 1), next(self.sends)
+        if self.flow is not None:
+            self.flow.sending(self.key, sent)
         self.in_flight = None if final or self.flow is None else ChunkWatch(self.key, seq, sent, time.monotonic_ns())
         # num_output_tokens: generated tokens sent so far; after a stop word, up to the one where it starts.
         state = ResponseState(final, skip, num_dropped, len(self.request.prompt_ids), last,

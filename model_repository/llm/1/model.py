@@ -23,7 +23,8 @@ import triton_python_backend_utils as pb_utils
 from tritone.config import EngineConfig
 from tritone.serving.flow import FlowBoard
 from tritone.serving.frontend import EngineFrontend
-from tritone.serving.inputs import abort_target, model_parameters, parse_llm_request, stream_interval, triton_getter
+from tritone.serving.inputs import (abort_target, flow_board_path, model_parameters, parse_llm_request,
+                                    server_control_key, stream_interval, triton_getter)
 from tritone.serving.lifecycle import Drain, exit_when_orphaned
 from tritone.serving.metrics import EngineMetrics
 from tritone.text import Detokenizer, load_tokenizer
@@ -36,8 +37,13 @@ class TritonPythonModel:
         params = model_parameters(json.loads(args["model_config"]))
         # Shared with postprocessing's instances (tritone.serving.flow); forget a previous
         # server's marks.
-        flow = FlowBoard()
+        flow = FlowBoard(flow_board_path(params))
         flow.reset()
+        self.control_key = server_control_key()
+        if self.control_key is None:
+            logging.getLogger("tritone").warning(
+                "no control key in the environment (TRITONE_CONTROL_KEY; the launcher sets one): abort requests "
+                "are refused, and any caller of this model may ask for flow control")
         # The detokenizer decodes for stop words and finds where each chunk's context starts.
         self.frontend = EngineFrontend(pb_utils, Detokenizer(load_tokenizer(params["model_dir"])),
                                        stream_interval(params), flow)
@@ -50,14 +56,17 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender, get = request.get_response_sender(), triton_getter(pb_utils, request)
-            if (target := abort_target(get)) is not None:
-                self.frontend.abort(*target)
-                sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
-                continue
             try:
-                parsed = parse_llm_request(get)
+                target = abort_target(get, self.control_key)
+                if target is not None:
+                    self.frontend.abort(target)
+                    sender.send(flags=pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL)
+                    continue
+                parsed = parse_llm_request(get, self.control_key)
             except ValueError as exc:
                 parsed = exc
+            except Exception as exc:  # a malformed tensor: this request fails, not the batch
+                parsed = ValueError(f"malformed request: {type(exc).__name__}: {exc}")
             # The Triton request id: an ensemble's steps carry the ensemble request's.
             self.frontend.submit(sender, parsed, request.request_id())
         return None

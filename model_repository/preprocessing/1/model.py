@@ -10,7 +10,7 @@ except ImportError:  # NVIDIA's container, where the package is installed system
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from tritone.serving.inputs import model_parameters, triton_getter
+from tritone.serving.inputs import model_parameters, server_control_key, triton_getter
 from tritone.serving.lifecycle import SHUTTING_DOWN, Drain, exit_when_orphaned
 from tritone.serving.processing import Preprocessor
 
@@ -24,6 +24,8 @@ class TritonPythonModel:
         self.preprocess = Preprocessor(params)
         # The ensemble's entry: during a drain, new requests stop here.
         self.drain = Drain(params.get("shutdown_file"))
+        # Tells the llm model the request comes through the ensemble (tritone.serving.inputs).
+        self.control_key = np.array([[server_control_key() or b""]], dtype=np.object_)
 
     def execute(self, requests):
         if self.drain.requested():
@@ -35,7 +37,7 @@ class TritonPythonModel:
                 responses.append(pb_utils.InferenceResponse(error=pb_utils.TritonError(str(result))))
             else:
                 tensors = [pb_utils.Tensor(name, array[None]) for name, array in result.items()]
-                tensors.append(pb_utils.Tensor("FLOW_CONTROL", np.ones((1, 1), dtype=np.bool_)))
+                tensors.append(pb_utils.Tensor("CONTROL_KEY", self.control_key))
                 responses.append(pb_utils.InferenceResponse(output_tensors=tensors))
         return responses
 
