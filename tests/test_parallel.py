@@ -140,7 +140,12 @@ class Collector:
         return self.outputs[request_id][-1]
 
 
-def test_a_killed_rank_fails_its_requests_and_the_engine_serves_again(model_dir):
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_killed_or_hung_rank_fails_its_requests_and_the_engine_serves_again(model_dir, monkeypatch, fault):
+    from tritone.executor import multiproc
+
+    # The step watchdog, shortened: a stopped rank holds the other in a collective for good.
+    monkeypatch.setattr(multiproc, "STEP_TIMEOUT_SECONDS", 3.0)
     config = EngineConfig(model=str(model_dir), dtype="float32", kv_cache_bytes=512 << 20, tensor_parallel_size=2)
     collector = Collector()
     engine = AsyncEngine(lambda: LLMEngine(config), collector)
@@ -149,11 +154,12 @@ def test_a_killed_rank_fails_its_requests_and_the_engine_serves_again(model_dir)
         for i in range(2):
             engine.submit(f"long{i}", prompt, SamplingParams(max_tokens=2000, end_id=-1))
         collector.wait(lambda outs: all(len(outs.get(f"long{i}", [])) >= 2 for i in range(2)))
-        os.kill(engine.engine.runner.worker_pids[1], signal.SIGKILL)
+        os.kill(engine.engine.runner.worker_pids[1], signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
         collector.wait(lambda outs: all(outs[f"long{i}"][-1].finished for i in range(2)), timeout=30)
+        why = "model worker 1 of engine 0" if fault == "killed" else "did not finish a step within 3 s"
         for i in range(2):
             final = collector.final(f"long{i}")
-            assert final.finish_reason == FinishReason.ERROR and "model worker 1 of engine 0" in final.error
+            assert final.finish_reason == FinishReason.ERROR and why in final.error, final.error
         # Rebuilt: new workers, the same answers as a fresh engine's.
         engine.submit("after", prompt, SamplingParams(max_tokens=8, end_id=-1))
         collector.wait(lambda outs: "after" in outs and outs["after"][-1].finished, timeout=120)

@@ -6,7 +6,8 @@ the forward's collectives (gloo on CPU, NCCL on CUDA), and the first rank writes
 logits, or the greedy tokens, into memory shared with this process and answers with their shape.
 Waiting for that answer, this process watches every rank's socket: a rank that dies closes it,
 and the step raises WorkerDied at once (no hang in a collective), after which the engine's
-requests end with an error and the engine restarts (tritone.engine.async_engine).
+requests end with an error and the engine restarts (tritone.engine.async_engine). A rank that
+hangs without dying is treated the same once a step has waited STEP_TIMEOUT_SECONDS.
 
 Data parallelism runs one RemoteRunner per engine, even at one rank, so that each engine's
 forward has its own process, threads and CPUs (or GPU).
@@ -21,9 +22,10 @@ import mmap
 import multiprocessing
 import os
 import pathlib
-import socket
+import shutil
 import subprocess
 import sys
+import tempfile
 from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 
@@ -39,6 +41,11 @@ from tritone.executor.step import PendingTokens, StepInput
 logger = logging.getLogger(__name__)
 
 DP_FLAG = "--data-parallel-size"
+
+
+# A step's watchdog: far past any step's time (a step of the default model on 2 CPU cores takes
+# milliseconds to a second; a first call at a new batch shape may compile for tens of seconds).
+STEP_TIMEOUT_SECONDS = float(os.environ.get("TRITONE_STEP_TIMEOUT", "300"))
 
 
 class WorkerDied(RuntimeError):
@@ -60,10 +67,11 @@ def _python() -> str:
     raise RuntimeError(f"no Python {version} interpreter found for the model workers")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _rendezvous() -> tuple[str, pathlib.Path]:
+    """Where the ranks meet: a file in a new directory only this user can enter. A TCP store
+    would listen on every interface, on a port picked and let go before it is bound again."""
+    directory = pathlib.Path(tempfile.mkdtemp(prefix="tritone-rendezvous-"))
+    return f"file://{directory / 'store'}", directory
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -122,6 +130,7 @@ class RemoteRunner:
         self.device = torch.device("cpu")
         self.block_rows = block_table.BlockTableRows(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self._procs: list[subprocess.Popen] = []
+        self._rendezvous_dir: pathlib.Path | None = None
         self._conns: list = []
         self._out: mmap.mmap | None = None
         self.dead: str | None = None
@@ -142,8 +151,11 @@ class RemoteRunner:
             if shm_bytes:
                 shm_fd = os.memfd_create("tritone-tensor-parallel")
                 os.ftruncate(shm_fd, shm_bytes)
-        init_method = f"tcp://127.0.0.1:{_free_port()}"
+        init_method, self._rendezvous_dir = _rendezvous()
         env = dict(os.environ)
+        # The ranks' own connections (gloo's, NCCL's bootstrap) on loopback: they share one host.
+        env.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        env.setdefault("NCCL_SOCKET_IFNAME", "lo")
         env["PYTHONPATH"] = os.pathsep.join(p for p in sys.path if p and os.path.exists(p))
         try:
             for rank, place in enumerate(ranks):
@@ -210,7 +222,10 @@ class RemoteRunner:
                 conn.send_bytes(payload)
             # The first rank answers; any other rank that speaks has failed, and one that died has
             # closed its socket: either wakes this wait.
-            ready = wait(self._conns)
+            ready = wait(self._conns, timeout=STEP_TIMEOUT_SECONDS)
+            if not ready:  # a rank that hangs (in a collective, in a driver) is as good as dead
+                raise WorkerDied(f"model worker 0 of engine {self.engine_index} did not finish a step within "
+                                 f"{STEP_TIMEOUT_SECONDS:.0f} s")
             for rank in sorted(self._conns.index(c) for c in ready):
                 shape = self._receive(self._conns[rank], rank, "running a step")
                 if rank:
@@ -251,3 +266,6 @@ class RemoteRunner:
         for conn in self._conns:
             conn.close()
         self._conns, self._procs = [], []
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None
