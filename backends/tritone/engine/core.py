@@ -24,6 +24,9 @@ from tritone.scheduling.scheduler import Scheduler
 # Where a step's time goes, in order: the engine thread's phases, then the sender thread's
 # (building and sending the step's responses, which overlaps the next step).
 PHASES = ("schedule", "prepare", "forward", "sample", "update", "send")
+# A guided request waits this long at most for its grammar (compiled on another thread, behind
+# other requests' grammars): a guide that compiles for longer fails, naming the field.
+GUIDE_COMPILE_SECONDS = 60.0
 
 
 @dataclass(slots=True)
@@ -194,6 +197,13 @@ class LLMEngine:
             if request.is_finished:
                 continue
             if not future.done():
+                if time.monotonic() - request.arrival_time > GUIDE_COMPILE_SECONDS:
+                    # The compile runs on (it cannot be stopped, and another request may share
+                    # it), but this request no longer waits for it, nor holds its place.
+                    outputs.append(self.abort_request(
+                        request.request_id, FinishReason.ERROR,
+                        f"guided_decoding_guide took over {GUIDE_COMPILE_SECONDS:.0f} s to compile"))
+                    continue
                 compiling.append(request)
                 continue
             request.grammar_future = None

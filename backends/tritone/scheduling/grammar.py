@@ -10,6 +10,7 @@ the engine keeps advances the matcher. Requests without a guide never touch this
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import re
@@ -51,7 +52,12 @@ class Guide:
 
     def check(self):
         """Parses the guide without the tokenizer (milliseconds), returning xgrammar's Grammar;
-        raises GuideError naming the field, with xgrammar's own message."""
+        raises GuideError naming the field, with xgrammar's own message. Once per guide: the
+        request is checked when submitted, again as the engine takes it, and its grammar compiled
+        from the parse, and the engine's thread should not parse."""
+        return _parsed(self.type, self.text)
+
+    def _parse(self):
         if self.type not in GUIDE_TYPES:
             raise GuideError(f"guided_decoding_guide_type must be one of {', '.join(GUIDE_TYPES)}, got {self.type!r}")
         if self.type != "json" and not self.text:
@@ -76,6 +82,12 @@ class Guide:
             raise
         except Exception as exc:  # xgrammar raises RuntimeError with its parser's message
             raise GuideError(f"guided_decoding_guide is not a valid {self.type}: {_xgrammar_message(exc)}") from None
+
+
+@functools.lru_cache(maxsize=64)
+def _parsed(type_: str, text: str):
+    # Errors are not cached: a bad guide fails when it is submitted and goes no further.
+    return Guide(type_, text)._parse()
 
 
 def check_json_schema(schema, path: str = "#") -> None:
