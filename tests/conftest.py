@@ -106,6 +106,20 @@ def start_server(tmp_path_factory, name: str, *options: str):
     return srv, log
 
 
+def supervised_server(tmp_path_factory, name: str, *options: str):
+    """A fixture's body: a server as scripts/serve runs it, restarted by its launcher when a
+    process dies, stopped at the end."""
+    import threading
+
+    srv, log = start_server(tmp_path_factory, name, *options)
+    supervisor = threading.Thread(target=srv.supervise, kwargs={"poll_seconds": 0.2}, daemon=True)
+    supervisor.start()
+    yield srv
+    srv.stop()
+    supervisor.join(timeout=60)
+    log.close()
+
+
 @pytest.fixture(scope="session")
 def server(model_dir, tmp_path_factory):
     srv, log = start_server(tmp_path_factory, "tritonserver", "--kv-cache-bytes", str(256 << 20))

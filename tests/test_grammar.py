@@ -117,7 +117,24 @@ def test_a_request_waiting_for_its_grammar_does_not_hold_back_the_queue(model_di
     assert "free" in finished and "guided" in engine.requests
     assert engine.requests["guided"].block_ids == []  # never admitted
     engine.abort_request("guided")
+    assert slow.cancelled()  # no one else waits for it: it never runs
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
+
+
+def test_a_grammar_that_compiles_too_long_fails_its_request_naming_the_field(model_dir, chat_ids, monkeypatch):
+    from tritone.engine import core
+
+    monkeypatch.setattr(core, "GUIDE_COMPILE_SECONDS", 0.5)
+    engine = make_engine(model_dir)
+    slow = Future()
+    slow.set_running_or_notify_cancel()  # compiling already: it cannot be cancelled
+    engine.grammars.compile = lambda guide: slow
+    engine.add_request("guided", chat_ids("Describe a person."), SamplingParams(max_tokens=4, guide=GUIDES[0]))
+    outputs, deadline = [], time.monotonic() + 30
+    while not outputs and time.monotonic() < deadline:
+        outputs = [o for o in engine.step() if o.finished]
+    assert outputs[0].finish_reason == FinishReason.ERROR and "guided_decoding_guide took over" in outputs[0].error
+    assert not engine.has_unfinished_requests()
 
 
 @pytest.mark.parametrize("guide, message", [

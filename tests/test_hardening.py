@@ -9,13 +9,12 @@ import os
 import pathlib
 import signal
 import sys
-import threading
 import time
 import urllib.request
 
 import pytest
 
-from conftest import start_server
+from conftest import supervised_server
 from tritone.launcher import free_port
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "scripts"))
@@ -29,14 +28,8 @@ API_KEY = "hardening-key"
 @pytest.fixture(scope="module")
 def guarded(model_dir, tmp_path_factory):
     """A supervised server with tritone-openai behind a key."""
-    srv, log = start_server(tmp_path_factory, "hardening", "--kv-cache-bytes", str(256 << 20),
-                            "--openai-port", str(free_port()), "--api-key", API_KEY)
-    supervisor = threading.Thread(target=srv.supervise, kwargs={"poll_seconds": 0.2}, daemon=True)
-    supervisor.start()
-    yield srv
-    srv.stop()
-    supervisor.join(timeout=60)
-    log.close()
+    yield from supervised_server(tmp_path_factory, "hardening", "--kv-cache-bytes", str(256 << 20),
+                                 "--openai-port", str(free_port()), "--api-key", API_KEY)
 
 
 @pytest.fixture(scope="module")

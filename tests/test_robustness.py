@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import tritonclient.grpc as grpcclient
 
-from conftest import PROMPTS, open_http_generate_stream, start_server
+from conftest import PROMPTS, open_http_generate_stream, supervised_server
 from test_integration import grpc_inputs, metric_values, post
 
 pytestmark = pytest.mark.integration
@@ -225,18 +225,12 @@ MAX_QUEUE_LEN = 64
 
 @pytest.fixture(scope="module")
 def small_server(model_dir, tmp_path_factory):
-    srv, log = start_server(
+    yield from supervised_server(
         tmp_path_factory, "small_server",
         "--kv-cache-bytes", str(12 * BLOCK_BYTES), "--max-queue-len", str(MAX_QUEUE_LEN),
         "--preprocessing-instances", "1", "--postprocessing-instances", "1",
         # How long a drain at shutdown may take.
         "--exit-timeout", "10")
-    supervisor = threading.Thread(target=srv.supervise, kwargs={"poll_seconds": 0.2}, daemon=True)
-    supervisor.start()
-    yield srv
-    srv.stop()
-    supervisor.join(timeout=60)
-    log.close()
 
 
 @pytest.fixture(scope="module")

@@ -150,6 +150,10 @@ class LLMEngine:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        future = request.grammar_future
+        if future is not None and not any(r.grammar_future is future and not r.is_finished
+                                          for r in self._compiling if r is not request):
+            future.cancel()  # not started yet: no other request waits for it, so it never runs
         self.scheduler.finish(request, reason)
         output = self._output(request, [], [])
         output.error = error

@@ -156,7 +156,7 @@ class Grammars:
         key = (guide.type, guide.text)
         with self._lock:
             future = self._cache.get(key)
-            if future is not None and not (future.done() and future.exception() is not None):
+            if future is not None and not (future.cancelled() or (future.done() and future.exception() is not None)):
                 self._cache.move_to_end(key)
                 return future
             future = self._pool.submit(self._compile, guide)
