@@ -15,7 +15,6 @@ import re
 import secrets
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -26,6 +25,7 @@ import urllib.request
 from dataclasses import dataclass
 
 from tritone.models import cache_root, resolve_model
+from tritone.processes import die_with_parent, free_port
 from tritone.serving import flow
 from tritone.serving.inputs import CONTROL_KEY_ENV
 
@@ -343,7 +343,7 @@ class Server:
               file=stdout or sys.stdout, flush=True)
         self.process = subprocess.Popen(self.command(install, repository), env=env, stdout=stdout,
                                         stderr=subprocess.STDOUT if stdout else None,
-                                        start_new_session=True, preexec_fn=_die_with_parent)
+                                        start_new_session=True, preexec_fn=die_with_parent)
         self._start_frontend(stdout)
 
     def _start_frontend(self, stdout) -> None:
@@ -366,7 +366,7 @@ class Server:
                    "--host", a.host, "--port", str(a.openai_port), "--model-name", self.model_dir.name,
                    "--tool-call-parser", parser, "--max-body-bytes", str(self.max_body_bytes)]
         self.frontend = subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
-                                         start_new_session=True, preexec_fn=_die_with_parent)
+                                         start_new_session=True, preexec_fn=die_with_parent)
 
     def _stop_frontend(self) -> None:
         # First, so that no new request arrives during the drain; uvicorn gives the streams it
@@ -550,12 +550,6 @@ class Server:
             flow.remove_stale()  # the llm model unlinks its own page, unless killed
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.contextmanager
 def temporary_server(log_path: pathlib.Path, *options: str):
     """A tritonserver on free ports for one script's run, with extra launcher `options`: ready
@@ -572,15 +566,6 @@ def temporary_server(log_path: pathlib.Path, *options: str):
         finally:
             server.stop()
             shutil.rmtree(server.run_dir, ignore_errors=True)
-
-
-def _die_with_parent() -> None:
-    try:
-        import ctypes
-
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-    except OSError:
-        pass
 
 
 def _print_usage(server: Server) -> None:

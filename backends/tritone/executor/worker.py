@@ -11,7 +11,6 @@ Run as `python -m tritone.executor.worker SPEC_JSON` by multiproc.RemoteRunner o
 
 from __future__ import annotations
 
-import ctypes
 import json
 import logging
 import mmap
@@ -23,20 +22,13 @@ from multiprocessing.connection import Connection
 import numpy as np
 import torch
 
-
-def _die_with_parent(parent: int) -> None:
-    """SIGKILL when the engine's process dies, whatever it died of (no orphan holds the cores)."""
-    try:
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-    if os.getppid() != parent:  # it died before the line above took effect
-        os._exit(1)
+from tritone.processes import die_with_parent
 
 
 def main(argv: list[str]) -> int:
     spec = json.loads(argv[0])
-    _die_with_parent(spec["parent"])
+    # SIGKILL when the engine's process dies, whatever it died of (no orphan holds the cores).
+    die_with_parent(signal.SIGKILL, spec["parent"])
     engine, rank, size = spec["engine"], spec["rank"], spec["size"]
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format=f"tritone worker {engine}.{rank}: %(levelname)s %(name)s: %(message)s")
