@@ -38,7 +38,7 @@ def parity(max_tokens: int) -> dict[str, bool]:
 
     from tritone.config import EngineConfig
     from tritone.engine.core import LLMEngine
-    from tritone.models import prepare_default_model
+    from tritone.checkpoints import prepare_default_model
     from tritone.scheduling.request import SamplingParams
 
     model_dir = prepare_default_model()
@@ -78,7 +78,7 @@ def build_8b_shaped(path: pathlib.Path) -> None:
     """Random bf16 weights in Llama-3-8B's shape, with the default model's tokenizer and vocabulary."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from tritone.models import prepare_default_model
+    from tritone.checkpoints import prepare_default_model
 
     config = LlamaConfig(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
                          num_key_value_heads=8, vocab_size=49152, max_position_embeddings=8192,
@@ -141,7 +141,7 @@ def tp_parity(max_tokens: int) -> bool:
     """The default model's greedy tokens in fp32 at TP=2 against TP=1, batched, on the GPUs."""
     from tritone.config import EngineConfig
     from tritone.engine.core import LLMEngine
-    from tritone.models import prepare_default_model
+    from tritone.checkpoints import prepare_default_model
     from tritone.scheduling.request import SamplingParams
 
     model_dir = prepare_default_model()

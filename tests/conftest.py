@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from tritone.launcher import free_port
-from tritone.models import prepare_default_model
+from tritone.checkpoints import prepare_default_model
 
 PROMPTS = [
     "The quick brown fox",

@@ -1,18 +1,22 @@
 """The single-process ablation `llm_inline`: rendered only when asked, and it answers as the
 ensemble does (the ensemble from the session server, llm_inline from a server of its own)."""
 
+import pathlib
+
 import numpy as np
 import pytest
 
 from conftest import start_server
-from tritone.launcher import ENSEMBLE_MODELS, INLINE_MODELS, render_repository
+from tritone.launcher import ENSEMBLE_MODELS, INLINE_MODELS, build_parser, render_repository, template_values
 from tritone.serving.inline import InlineText
 from tritone_client import TritoneClient, infer_inputs
 
 
 def test_the_launcher_renders_only_the_selected_models(tmp_path):
-    assert sorted(p.name for p in render_repository(tmp_path / "a", {}).iterdir()) == sorted(ENSEMBLE_MODELS)
-    rendered = render_repository(tmp_path / "b", {"model_dir": "M"}, INLINE_MODELS)
+    values = {**template_values(build_parser().parse_args([]), pathlib.Path("M")), "flow_board": "F",
+              "shutdown_file": "S"}
+    assert sorted(p.name for p in render_repository(tmp_path / "a", values).iterdir()) == sorted(ENSEMBLE_MODELS)
+    rendered = render_repository(tmp_path / "b", values, INLINE_MODELS)
     assert [p.name for p in rendered.iterdir()] == ["llm_inline"]
     assert 'string_value: "M"' in (rendered / "llm_inline" / "config.pbtxt").read_text()
 

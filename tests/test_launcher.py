@@ -27,7 +27,7 @@ def test_an_unknown_choice_is_refused_naming_the_flag(choice):
 
 
 def test_a_named_allocator_that_is_missing_is_refused(monkeypatch):
-    monkeypatch.setattr("tritone.launcher._malloc_library", lambda name: None)
+    monkeypatch.setattr("tritone.launcher.install._malloc_library", lambda name: None)
     for name in MALLOC_LIBRARIES:
         with pytest.raises(ValueError, match=f"--malloc {name}: the library is not installed"):
             find_malloc(name)

@@ -1,104 +1,171 @@
-"""The engine's one configuration object, validated at construction and passed whole."""
+"""Every option of a Tritone server, declared once.
+
+From `OPTIONS` come the launcher's flags (tritone.launcher.options), the `parameters` of each
+model's config.pbtxt (rendered by the launcher in place of the `${parameters}` line), the
+parsing of those parameters in the models, and `EngineConfig`, the engine's one configuration
+object, validated at construction and passed whole. Adding an option is one `Option(...)` here.
+"""
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any, Callable
+
+# The models whose config.pbtxt carries an option (`Option.models`).
+ENGINE_MODELS = ("llm", "llm_inline")
+TEXT_MODELS = ("preprocessing", "llm_inline")
 
 
-@dataclass(slots=True)
-class EngineConfig:
-    model: str
-    device: str = "auto"
-    dtype: str = "auto"
-    max_num_seqs: int = 256
-    # Tokens computed per step (decodes plus prefill chunks): bounds the step's latency.
-    max_num_batched_tokens: int = 512
-    # 0 means the model's own limit (max_position_embeddings).
-    max_model_len: int = 0
-    block_size: int = 16
-    # The KV cache is sized once at start: a byte budget (CPU and GPU), or, when 0, a
-    # fraction of free device memory (GPU) or of available RAM (CPU).
-    kv_cache_bytes: int = 0
-    kv_cache_fraction: float = 0.25
-    enable_prefix_caching: bool = True
-    seed: int = 0
-    # Waiting requests beyond this are refused with a "server busy" error (0: no limit).
-    max_queue_len: int = 0
-    # CPU threads for the model (0: every core). Every core, though the text stages share them:
-    # served on 2 cores, the model on both made more tokens/s than the model on one with the
-    # other left to the text stages.
-    num_threads: int = 0
-    # torch.compile the torch forward path (the native forward is not compiled): auto (on CPU
-    # where a C++ compiler is present), on, off. On CUDA the model runs eagerly.
-    compile: str = "auto"
-    # The forward pass: native (Tritone's Llama family in one native call per step, on CPU in fp32,
-    # or in bf16 where the CPU has AVX512-BF16 and Tritone's bf16 GEMM measured fastest), torch (the
-    # model's modules, compiled per `compile`), or auto (native wherever it can run).
-    forward: str = "auto"
-    # Paged attention: auto (the native kernel on CPU; on CUDA the first of flash-varlen, triton
-    # that passes a probe batch at start), or one of cpu-native, flash-varlen, triton, sdpa.
-    attention: str = "auto"
-    # CUDA graphs of decode steps: auto (on CUDA where the model and attention allow), off.
-    cuda_graphs: str = "auto"
-    # Schedule and prepare step N + 1 while the device computes step N: auto (on CUDA), on, off.
-    async_scheduling: str = "auto"
-    # The model split over this many ranks (Megatron-style tensor parallelism: GPUs, or CPU core
-    # sets), each a worker process; and this many independent engines behind the one model, each
-    # request routed to one of them (data parallelism). Above 1, the forward runs in worker
-    # processes (tritone.executor.multiproc).
-    tensor_parallel_size: int = 1
-    data_parallel_size: int = 1
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One option: an `EngineConfig` field (where `engine`), a parameter of `models`, and the
+    launcher's `--name-with-dashes` flag (or `flag`)."""
 
-    def __post_init__(self):
-        if self.device not in ("auto", "cpu", "cuda") and not self.device.startswith("cuda:"):
-            raise ValueError(f"device must be auto, cpu or cuda[:N], got {self.device!r}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16, got {self.dtype!r}")
-        if self.compile not in ("auto", "on", "off"):
-            raise ValueError(f"compile must be auto, on or off, got {self.compile!r}")
-        if self.forward not in ("auto", "native", "torch"):
-            raise ValueError(f"forward must be auto, native or torch, got {self.forward!r}")
-        if self.attention not in ("auto", "cpu-native", "flash-varlen", "triton", "sdpa"):
-            raise ValueError(f"attention must be auto, cpu-native, flash-varlen, triton or sdpa, "
-                             f"got {self.attention!r}")
-        if self.async_scheduling not in ("auto", "on", "off"):
-            raise ValueError(f"async_scheduling must be auto, on or off, got {self.async_scheduling!r}")
-        if self.cuda_graphs not in ("auto", "off"):
-            raise ValueError(f"cuda_graphs must be auto or off, got {self.cuda_graphs!r}")
-        for name in ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size",
-                     "data_parallel_size"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        for name in ("max_model_len", "kv_cache_bytes", "max_queue_len", "seed", "num_threads"):
-            if getattr(self, name) < 0:
-                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if not 0.0 < self.kv_cache_fraction <= 1.0:
-            raise ValueError(f"kv_cache_fraction must be in (0, 1], got {self.kv_cache_fraction}")
+    name: str
+    type: type
+    default: Any
+    help: str
+    choices: tuple[str, ...] = ()
+    minimum: int | float | None = None
+    models: tuple[str, ...] = ENGINE_MODELS
+    engine: bool = True
+    # The launcher's flag where it is not --name-with-dashes (a bool whose default is true is
+    # turned off by its flag).
+    flag: str | None = None
+    # A check that choices and minimum cannot say: returns the problem, or None.
+    check: Callable[[Any], str | None] | None = None
 
-    @classmethod
-    def from_parameters(cls, model: str, params: dict[str, str]) -> "EngineConfig":
-        """Builds a config from string parameters (Triton model config), ignoring unset ones.
+    @property
+    def flag_name(self) -> str:
+        return self.flag or "--" + self.name.replace("_", "-")
 
-        An unfilled `${template}` or an empty string counts as unset, so the dataclass default holds.
-        """
-        kwargs = {}
-        for field in dataclasses.fields(cls):
-            raw = params.get(field.name)
-            if field.name == "model" or raw is None or raw == "" or raw.startswith("${"):
-                continue
-            kwargs[field.name] = _parse(raw, field.type)
-        return cls(model=model, **kwargs)
+    def parse(self, raw: str) -> Any:
+        """The value of a model parameter's string (ValueError naming the option)."""
+        try:
+            if self.type is bool:
+                lowered = raw.strip().lower()
+                if lowered not in ("true", "false", "1", "0", "yes", "no"):
+                    raise ValueError(f"expected a boolean, got {raw!r}")
+                return lowered in ("true", "1", "yes")
+            return self.type(raw)
+        except ValueError as exc:
+            raise ValueError(f"{self.name}: {exc}") from None
+
+    def format(self, value: Any) -> str:
+        """The model parameter's string for `value` (parse's inverse)."""
+        return str(value).lower() if self.type is bool else str(value)
+
+    def validate(self, value: Any) -> None:
+        if self.choices and value not in self.choices:
+            raise ValueError(f"{self.name} must be {', '.join(self.choices[:-1])} or {self.choices[-1]}, "
+                             f"got {value!r}")
+        if self.minimum is not None and value < self.minimum:
+            raise ValueError(f"{self.name} must be {'positive' if self.minimum == 1 else f'>= {self.minimum}'}, "
+                             f"got {value}")
+        problem = self.check(value) if self.check is not None else None
+        if problem is not None:
+            raise ValueError(f"{self.name} {problem}, got {value!r}")
 
 
-def _parse(raw: str, type_name: str):
-    if type_name == "bool":
-        lowered = raw.strip().lower()
-        if lowered not in ("true", "false", "1", "0", "yes", "no"):
-            raise ValueError(f"expected a boolean, got {raw!r}")
-        return lowered in ("true", "1", "yes")
-    if type_name == "int":
-        return int(raw)
-    if type_name == "float":
-        return float(raw)
-    return raw
+def _device_problem(value: str) -> str | None:
+    ok = value in ("auto", "cpu", "cuda") or (value.startswith("cuda:") and value[5:].isdigit())
+    return None if ok else "must be auto, cpu or cuda[:N]"
+
+
+def _fraction_problem(value: float) -> str | None:
+    return None if 0.0 < value <= 1.0 else "must be in (0, 1]"
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("device", str, "auto", "auto, cpu or cuda[:N]", check=_device_problem),
+    Option("dtype", str, "auto", "auto (measured per machine), float32, bfloat16 or float16",
+           choices=("auto", "float32", "bfloat16", "float16")),
+    Option("max_num_seqs", int, 256, "most requests in the running batch", minimum=1),
+    Option("max_num_batched_tokens", int, 512,
+           "tokens computed per step, decodes plus prompt chunks: bounds a step's latency", minimum=1),
+    Option("max_model_len", int, 0, "longest sequence, prompt plus output, in tokens (0: the model's own limit, "
+           "max_position_embeddings)", minimum=0, models=ENGINE_MODELS + ("preprocessing",)),
+    Option("block_size", int, 16, "tokens per KV cache block", minimum=1),
+    Option("kv_cache_bytes", int, 0, "KV cache budget in bytes, the server's in all (0: --kv-cache-fraction)",
+           minimum=0),
+    Option("kv_cache_fraction", float, 0.25,
+           "share of free memory (GPU) or available RAM (CPU) the KV cache takes when --kv-cache-bytes is 0",
+           check=_fraction_problem),
+    Option("enable_prefix_caching", bool, True,
+           "reuse the KV of a prompt prefix computed for an earlier request", flag="--no-prefix-caching"),
+    Option("seed", int, 0, "seed of the seeds drawn for requests that give none", minimum=0),
+    Option("max_queue_len", int, 1024, "waiting requests beyond this get 'server busy' (0: no limit)", minimum=0),
+    # Every core by default, though the text stages share them: served on 2 cores, the model on
+    # both made more tokens/s than the model on one with the other left to the text stages.
+    Option("num_threads", int, 0, "CPU threads for the model (0: every core)", minimum=0),
+    Option("compile", str, "auto", "torch.compile the torch forward on CPU (auto: where a C++ compiler is present "
+           "and the compiled forward passes the start-up check); the first start compiles, later ones load the cache",
+           choices=("auto", "on", "off")),
+    Option("forward", str, "auto", "native: Tritone's Llama-family model in one native call per step; torch: the "
+           "model's torch modules (compiled per --compile); auto: native where it can run, is fastest and passes "
+           "the start-up check", choices=("auto", "native", "torch")),
+    Option("attention", str, "auto", "paged attention kernel (auto: the native kernel on CPU; on CUDA the first of "
+           "flash-varlen and triton that agrees with SDPA on a probe batch at start)",
+           choices=("auto", "cpu-native", "flash-varlen", "triton", "sdpa")),
+    Option("cuda_graphs", str, "auto", "replay decode steps from CUDA graphs captured at start (auto: on CUDA where "
+           "the model and attention allow; off: every step eager)", choices=("auto", "off")),
+    Option("async_scheduling", str, "auto", "schedule and prepare step N+1 while the device computes step N (auto: "
+           "on CUDA, where the device runs asynchronously)", choices=("auto", "on", "off")),
+    Option("tensor_parallel_size", int, 1, "split the model over this many ranks, each a worker process: GPUs, or "
+           "equal slices of the CPU cores (Llama-family models; heads split by KV head)", minimum=1),
+    Option("data_parallel_size", int, 1, "run this many independent engines behind the one llm model, each request "
+           "sent to the one holding its prompt's prefix or with the most free KV cache", minimum=1),
+    # Options of the text stages, which the engine does not read.
+    Option("stream_interval", int, 1, "tokens per streamed response, except the first and the last (1: every "
+           "token); larger values send fewer responses, each with more text", minimum=1, engine=False),
+    Option("max_input_len", int, 0, "longest prompt accepted, in tokens (0: --max-model-len)", minimum=0,
+           models=TEXT_MODELS, engine=False),
+    Option("max_input_bytes", int, 1 << 20, "longest text_input or messages accepted, in bytes, checked before "
+           "tokenizing", minimum=1, models=TEXT_MODELS, engine=False),
+    Option("chat_template", str, "auto", "auto: wrap text_input in the model's chat template when it has one",
+           choices=("auto", "never"), models=TEXT_MODELS, engine=False),
+)
+OPTIONS_BY_NAME = {option.name: option for option in OPTIONS}
+
+
+def is_set(value: str | None) -> bool:
+    """An unfilled `${template}` or empty parameter counts as unset."""
+    return bool(value) and not value.startswith("${")
+
+
+def parameter(params: dict[str, str], name: str) -> Any:
+    """Option `name` as a model's parameters give it (its default where unset), validated."""
+    option = OPTIONS_BY_NAME[name]
+    raw = params.get(name)
+    value = option.parse(raw) if is_set(raw) else option.default
+    option.validate(value)
+    return value
+
+
+def model_parameters_text(model: str, values: dict[str, Any]) -> str:
+    """The config.pbtxt `parameters` lines of `model`: each option it reads, from `values`."""
+    return "\n".join(f'parameters {{ key: "{o.name}" value: {{ string_value: "{o.format(values[o.name])}" }} }}'
+                     for o in OPTIONS if model in o.models)
+
+
+def _post_init(self) -> None:
+    for option in OPTIONS:
+        if option.engine:
+            option.validate(getattr(self, option.name))
+
+
+def _from_parameters(cls, model: str, params: dict[str, str]):
+    """A config from a model's parameters (Triton model config); unset ones keep their default."""
+    return cls(model=model, **{o.name: parameter(params, o.name) for o in OPTIONS if o.engine})
+
+
+# The model directory, then every engine option with its declared default.
+EngineConfig = dataclasses.make_dataclass(
+    "EngineConfig",
+    [("model", str)] + [(o.name, o.type, dataclasses.field(default=o.default)) for o in OPTIONS if o.engine],
+    namespace={"__post_init__": _post_init, "from_parameters": classmethod(_from_parameters),
+               "__doc__": "The engine's configuration: `model` (a Hugging Face directory) and every engine "
+                          "option of `OPTIONS`, each validated at construction."},
+    slots=True)
+EngineConfig.__module__ = __name__  # pickled by reference, as a class written here would be

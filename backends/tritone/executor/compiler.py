@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 def cache_dir():
-    from tritone.models import cache_root
+    from tritone.cache import cache_root
 
     return cache_root() / "compile"
 

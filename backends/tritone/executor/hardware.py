@@ -56,7 +56,7 @@ def _cpu_key() -> str:
 
 def facts_path(name: str) -> pathlib.Path:
     """Where measured facts named `name` are cached for this CPU, torch version and thread count."""
-    from tritone.models import cache_root
+    from tritone.cache import cache_root
 
     return cache_root() / "hardware" / f"{name}-{_cpu_key()}.json"
 
@@ -93,7 +93,7 @@ _patience_ends: float | None = None
 def _one_measurer():
     """Held while measuring: one process of the machine at a time (the ranks of a model, or the
     engines of a server, start together and would otherwise measure each other)."""
-    from tritone.models import cache_root
+    from tritone.cache import cache_root
 
     path = cache_root() / "hardware" / ".measuring.lock"
     path.parent.mkdir(parents=True, exist_ok=True)

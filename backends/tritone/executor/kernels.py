@@ -45,7 +45,7 @@ def _cpu_flags() -> str:
 
 
 def _build() -> ctypes.CDLL:
-    from tritone.models import cache_root
+    from tritone.cache import cache_root
 
     source = b"".join(path.read_bytes() for path in _SOURCES + _HEADERS)
     key = hashlib.sha256(source + " ".join(_FLAGS).encode() + _cpu_flags().encode()).hexdigest()[:16]

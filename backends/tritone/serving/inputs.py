@@ -15,6 +15,7 @@ from typing import Callable
 
 import numpy as np
 
+from tritone.config import is_set, parameter
 from tritone.scheduling.grammar import Guide
 from tritone.scheduling.request import SamplingParams
 from tritone.text import from_word_list_tensor
@@ -278,11 +279,6 @@ def model_parameters(model_config: dict) -> dict[str, str]:
     return {k: v.get("string_value", "") for k, v in model_config.get("parameters", {}).items()}
 
 
-def is_set(value: str | None) -> bool:
-    """An unfilled `${template}` or empty parameter counts as unset."""
-    return bool(value) and not value.startswith("${")
-
-
 def flow_board_path(params: dict[str, str]) -> str | None:
     """The `flow_board` parameter: the page's path in the launcher's private directory (None:
     the default, named after tritonserver's pid)."""
@@ -291,9 +287,5 @@ def flow_board_path(params: dict[str, str]) -> str | None:
 
 
 def stream_interval(params: dict[str, str]) -> int:
-    """The `stream_interval` parameter: tokens per streamed response (default 1)."""
-    raw = params.get("stream_interval")
-    value = int(raw) if is_set(raw) else 1
-    if value < 1:
-        raise ValueError(f"stream_interval must be at least 1, got {value}")
-    return value
+    """The `stream_interval` parameter: tokens per streamed response."""
+    return parameter(params, "stream_interval")

@@ -10,7 +10,7 @@ import threading
 import time
 from typing import Callable
 
-from tritone.serving.inputs import is_set
+from tritone.config import is_set
 
 
 # Every `poll` seconds: ends when the process $2 is gone, kills it once its parent is no longer

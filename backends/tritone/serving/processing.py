@@ -5,13 +5,11 @@ from __future__ import annotations
 
 import numpy as np
 
+from tritone.config import parameter
 from tritone.serving.flow import FlowBoard
-from tritone.serving.inputs import Getter, decode_text, is_set, parse_messages, parse_tools, scalar, text_list
+from tritone.serving.inputs import Getter, decode_text, parse_messages, parse_tools, scalar, text_list
 from tritone.serving.responses import ResponseState
 from tritone.text import Detokenizer
-
-# Prompt text is tokenized before its token count can be checked; this bounds that work.
-DEFAULT_MAX_INPUT_BYTES = 1 << 20
 
 
 class Preprocessor:
@@ -20,14 +18,11 @@ class Preprocessor:
     def __init__(self, params: dict[str, str]):
         from tritone.text import PromptEncoder
 
-        chat = params.get("chat_template")
-        self.encoder = PromptEncoder(params["model_dir"], chat if is_set(chat) else "auto")
-        limit = params.get("max_input_len")
-        model_limit = params.get("max_model_len")
-        self.max_input_len = int(limit) if is_set(limit) and int(limit) > 0 else (
-            int(model_limit) if is_set(model_limit) and int(model_limit) > 0 else _model_context(params["model_dir"]))
-        max_bytes = params.get("max_input_bytes")
-        self.max_input_bytes = int(max_bytes) if is_set(max_bytes) else DEFAULT_MAX_INPUT_BYTES
+        self.encoder = PromptEncoder(params["model_dir"], parameter(params, "chat_template"))
+        self.max_input_len = parameter(params, "max_input_len") or parameter(params, "max_model_len") \
+            or _model_context(params["model_dir"])
+        # Prompt text is tokenized before its token count can be checked; this bounds that work.
+        self.max_input_bytes = parameter(params, "max_input_bytes")
 
     def __call__(self, getters: list[Getter]) -> list["dict[str, np.ndarray] | ValueError"]:
         from tritone.text import to_word_list_tensor

