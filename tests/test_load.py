@@ -1,13 +1,15 @@
-"""The load generator: its statistics, prompts and arrival process, then a short run against the
-real server."""
+"""The load protocol: its statistics and prompts, then a short run against the real server."""
 
 import math
 import statistics
 
 import pytest
 
-from tritone_client.load import (PromptFactory, Record, ServerMetrics, Workload, chat_lengths, level_stats,
-                                 markdown_table, measure_level, poisson_arrivals, summarize)
+from tritone_bench.load import markdown_table, measure_level
+from tritone_bench.metrics import ServerMetrics
+from tritone_bench.stats import Record, level_stats, summarize
+from tritone_bench.streams import GrpcStreams
+from tritone_bench.workload import PromptFactory, Workload, chat_lengths
 
 
 def test_summarize_gives_mean_and_percentiles():
@@ -17,20 +19,6 @@ def test_summarize_gives_mean_and_percentiles():
     assert s["p90"] == pytest.approx(90.1)
     assert s["p99"] == pytest.approx(99.01)
     assert all(math.isnan(v) for v in summarize([]).values())
-
-
-def test_poisson_arrivals_are_seeded_ordered_and_at_the_rate():
-    times = poisson_arrivals(50.0, 200.0, seed=3)
-    assert times == poisson_arrivals(50.0, 200.0, seed=3)
-    assert times != poisson_arrivals(50.0, 200.0, seed=4)
-    assert times == sorted(times) and 0 < times[0] and times[-1] < 200.0
-    assert len(times) == pytest.approx(50 * 200, rel=0.05)
-    gaps = [b - a for a, b in zip(times, times[1:])]
-    # Exponential gaps: mean 1/rate, standard deviation equal to the mean.
-    assert statistics.fmean(gaps) == pytest.approx(0.02, rel=0.05)
-    assert statistics.pstdev(gaps) == pytest.approx(0.02, rel=0.1)
-    with pytest.raises(ValueError, match="rate"):
-        poisson_arrivals(0.0, 1.0)
 
 
 def test_chat_lengths_are_seeded_bounded_and_long_tailed():
@@ -73,9 +61,20 @@ def test_level_stats_count_only_the_window():
     assert strict["goodput_requests_per_s"] == 0.0
 
 
+def test_a_response_that_carries_k_tokens_counts_k_gaps():
+    # One token at 1.0, then a response with three more at 1.6: three gaps of 0.2 s, not one of 0.6.
+    r = Record(start=0.5, max_tokens=4, end=1.6)
+    for when, count in ((1.0, 1), (1.0, 1), (1.6, 4), (1.6, 4)):
+        r.add(when, count)  # responses that carry no new token are not chunks
+    s = level_stats([r], (0.0, 2.0))
+    assert r.chunks == [(1.0, 1), (1.6, 4)] and s["ttft_s"]["mean"] == pytest.approx(0.5)
+    assert s["itl_s"]["mean"] == pytest.approx(0.2) and s["itl_s"]["p99"] == pytest.approx(0.2)
+    assert s["tokens_per_response"] == pytest.approx(2.0)
+
+
 def test_markdown_table_has_a_row_per_level():
     s = level_stats([Record(start=0.0, max_tokens=1, chunks=[(0.5, 1)], end=0.5)], (0.0, 1.0))
-    s.update(concurrency=4, rate=None, forward_busy=0.5)
+    s.update(concurrency=4, forward_busy=0.5)
     table = markdown_table([("a", s), ("b", s)]).splitlines()
     assert len(table) == 4 and table[2].startswith("| a | 4 | 1.0 |") and table[2].endswith("| 0.50 |")
 
@@ -85,8 +84,7 @@ def test_a_short_run_against_the_server(server, tokenizer):
     workload = Workload.fixed(PromptFactory(tokenizer), 8, prompt_tokens=20, output_tokens=4)
     metrics = ServerMetrics(f"http://{server.args.host}:{server.args.metrics_port}/metrics")
     url = f"{server.args.host}:{server.args.grpc_port}"
-    s = measure_level(url, "ensemble", workload, duration=2.0, warmup=0.5, concurrency=3, metrics=metrics,
-                      progress=False)
+    s = measure_level(GrpcStreams(url), workload, 3, duration=2.0, warmup=0.5, metrics=metrics, progress=False)
     assert s["num_errors"] == 0 and s["num_finished"] >= 3
     # Every finished request made its 4 tokens; tokens/s agrees with the requests finished.
     assert s["output_tokens_per_s"] >= 4 * (s["num_finished"] - 3) / s["window_s"]

@@ -7,7 +7,7 @@ import time
 
 import psutil
 
-from tritone_client.proc_cpu import ProcessTree, per_token_ms, read_stat, role
+from tritone_bench.proc_cpu import ProcessTree, per_token_ms, read_stat, role
 
 
 def test_roles_of_both_stacks():

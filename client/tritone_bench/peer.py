@@ -1,7 +1,7 @@
 """The benchmark's peer: vLLM's CPU build, installed in an environment of its own and served over
-its OpenAI API, with a load generator that measures it as scripts/benchmark measures Tritone.
+its OpenAI API, which `streams.OpenAIStreams` drives as it drives tritone-openai.
 
-`python scripts/peer_vllm.py` only installs it (once) and prints the environment's Python;
+`python -m tritone_bench.peer` only installs it (once) and prints the environment's Python;
 scripts/benchmark --peer vllm installs, serves and drives it.
 """
 
@@ -21,7 +21,7 @@ import urllib.request
 
 from packaging.requirements import Requirement
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 VENV = pathlib.Path(os.environ.get("TRITONE_VLLM_VENV", ROOT / ".venv-vllm"))
 VLLM_VERSION = "0.32.0"
 TORCH_VERSION = "2.13.0"
@@ -208,39 +208,6 @@ class VllmServer:
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.process.pid, signal.SIGKILL)  # an engine core left behind
         self.log.close()
-
-
-async def stream_completion(session, url: str, model: str, prompt: str, output_len: int, temperature: float = 0.0,
-                            top_p: float = 1.0, extra: dict | None = None) -> tuple[float, list[tuple[float, int]], int]:
-    """One streamed /v1/completions request with end of sequence ignored: its start time, and the
-    arrival time and output-token count so far of each chunk that carried tokens; and its prompt
-    token count.
-
-    Tokens per chunk come from `continuous_usage_stats` (vLLM's usage on every chunk), since
-    vLLM's API server merges the tokens of several steps into one chunk when it falls behind;
-    without it, each chunk with text counts one token.
-    """
-    body = {"model": model, "prompt": prompt, "max_tokens": output_len, "min_tokens": output_len,
-            "ignore_eos": True, "temperature": temperature, "top_p": top_p, "stream": True,
-            "stream_options": {"include_usage": True, "continuous_usage_stats": True}, **(extra or {})}
-    arrivals, num_tokens, num_prompt_tokens = [], 0, 0
-    start = time.perf_counter()
-    async with session.post(f"{url}/v1/completions", json=body) as resp:
-        if resp.status != 200:
-            raise RuntimeError(f"vLLM answered {resp.status}: {await resp.text()}")
-        async for line in resp.content:
-            if not line.startswith(b"data:") or line[5:].strip() == b"[DONE]":
-                continue
-            now, chunk = time.perf_counter(), json.loads(line[5:])
-            usage = chunk.get("usage") or {}
-            num_prompt_tokens = usage.get("prompt_tokens", num_prompt_tokens)
-            if not chunk.get("choices"):
-                continue  # the closing usage-only chunk
-            total = usage.get("completion_tokens", num_tokens + bool(chunk["choices"][0].get("text")))
-            if total > num_tokens:
-                num_tokens = total
-                arrivals.append((now, num_tokens))
-    return start, arrivals, num_prompt_tokens
 
 
 if __name__ == "__main__":

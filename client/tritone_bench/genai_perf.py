@@ -20,10 +20,10 @@ import statistics
 import subprocess
 import sys
 
+from tritone.checkpoints import resolve_model
 from tritone.launcher import temporary_server
-from tritone.models import resolve_model
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tritone_bench.results import RUNS
+from tritone_bench.stats import percentile
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -37,7 +37,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--input-tokens", type=int, default=64, help="synthetic prompt length (default 64)")
     p.add_argument("--output-tokens", type=int, default=32,
                    help="mean max_tokens of the requests (default 32, spread by a quarter of that)")
-    p.add_argument("--artifact-dir", default=str(ROOT / "bench_results" / "genai-perf"),
+    p.add_argument("--artifact-dir", default=str(RUNS / "genai-perf"),
                    help="where genai-perf writes its exports (emptied first)")
     p.add_argument("genai_perf_args", nargs=argparse.REMAINDER, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -87,7 +87,7 @@ def server_counts(export: pathlib.Path) -> tuple[list[int], list[int]]:
 
 def summary(values: list[int]) -> dict[str, float]:
     return {"avg": statistics.fmean(values), "min": min(values), "max": max(values),
-            "p50": statistics.median(values)}
+            "p50": percentile(values, 50)}
 
 
 def compare(name: str, reported: dict, counts: list[int]) -> bool:

@@ -23,7 +23,9 @@ from collections import Counter
 import numpy as np
 import tritonclient.grpc as grpcclient
 
-from tritone.launcher import Server, build_parser
+from tritone.launcher import temporary_server
+from tritone_bench.metrics import ServerMetrics
+from tritone_bench.results import RUNS
 from tritone_client import infer_inputs
 
 PROMPTS = ["The quick brown fox", "Write a haiku about the sea.", "def fibonacci(n):\n    ",
@@ -134,36 +136,19 @@ class Soak:
                    else f"{errors} {len(responses)} responses")
 
 
-def engine_metrics(metrics_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://{metrics_url}/metrics", timeout=10) as r:
-        values = {}
-        for line in r.read().decode().splitlines():
-            if line.startswith("tritone_"):
-                name, value = line.rsplit(" ", 1)
-                values[name.split("{")[0]] = float(value)
-    return values
-
-
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="scripts/soak", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="scripts/soak", description=__doc__.split("\n\n")[0],
+                                epilog="Other options go to the server, as scripts/serve takes them.")
     p.add_argument("--minutes", type=float, default=10.0)
     p.add_argument("--concurrency", type=int, default=16, help="workers sending requests at once")
     p.add_argument("--sample-seconds", type=float, default=30.0, help="how often memory is reported")
     p.add_argument("--port", type=int, default=19050, help="HTTP port; gRPC and metrics take the next two")
     p.add_argument("--seed", type=int, default=0)
     args, server_args = p.parse_known_args(argv)
-    server = Server(build_parser().parse_args(["--http-port", str(args.port), "--grpc-port", str(args.port + 1),
-                                               "--metrics-port", str(args.port + 2), *server_args]))
-    log_path = server.run_dir / "soak-server.log"
-    server.run_dir.mkdir(parents=True, exist_ok=True)
-    with open(log_path, "w") as log:
-        server.start(stdout=log)
-        try:
-            server.wait_ready()
-            return run(args, server)
-        finally:
-            code = server.stop()
-            print(f"server exit code {code}; its log: {log_path}")
+    ports = ["--http-port", str(args.port), "--grpc-port", str(args.port + 1), "--metrics-port", str(args.port + 2)]
+    RUNS.mkdir(parents=True, exist_ok=True)
+    with temporary_server(RUNS / "soak-server.log", *ports, *server_args) as server:
+        return run(args, server)
 
 
 def run(args, server) -> int:
@@ -186,7 +171,7 @@ def run(args, server) -> int:
     time.sleep(3)  # the engine reports its metrics once a second
     deadline = time.monotonic() + 120  # cancelled ensemble streams run on to their max_tokens
     while True:
-        values = engine_metrics(f"{a.host}:{a.metrics_port}")
+        values = ServerMetrics.of(server).read()
         if values["tritone_kv_blocks_used"] == 0 and values["tritone_num_requests_running"] == 0 \
                 or time.monotonic() > deadline:
             break

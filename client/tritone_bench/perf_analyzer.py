@@ -3,8 +3,8 @@
 Writes an input-data file of synthetic prompts (exact token lengths, no chat template, end of
 sequence ignored), runs `perf_analyzer -m ensemble -i grpc --streaming` at each concurrency, and
 reads its profile export (a timestamp per streamed response, with the server's
-num_output_tokens) to report output tokens/s, time to first token and inter-token latency
-beside perf_analyzer's own requests/s. Run it with scripts/perf_analyzer, which links the
+num_output_tokens) to report output tokens/s, time to first token and inter-token latency as
+every benchmark here measures them (`tritone_bench.stats`), beside perf_analyzer's own requests/s. Run it with scripts/perf_analyzer, which links the
 libraries the perf_analyzer 2.51 binary needs.
 """
 
@@ -18,9 +18,8 @@ import pathlib
 import subprocess
 import sys
 
-import numpy as np
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tritone_bench.results import RUNS
+from tritone_bench.stats import Record, level_stats
 
 
 def write_input_data(path: pathlib.Path, prompts: list[str], max_tokens: int) -> pathlib.Path:
@@ -59,18 +58,16 @@ def run_perf_analyzer(command: list[str], log: pathlib.Path) -> str:
 def summarize_export(export: pathlib.Path) -> dict:
     """Throughput and latencies of the last (reported) experiment from the profile export."""
     experiment = json.loads(export.read_text())["experiments"][-1]
-    requests = [r for r in experiment["requests"] if r.get("response_timestamps")]
-    first = min(r["timestamp"] for r in requests)
-    last = max(r["response_timestamps"][-1] for r in requests)
-    seconds = (last - first) / 1e9
-    tokens = sum(int(r["response_outputs"][-1]["num_output_tokens"]) for r in requests)
-    ttft = [(r["response_timestamps"][0] - r["timestamp"]) / 1e9 for r in requests]
-    itl = [d / 1e9 for r in requests for d in np.diff(r["response_timestamps"])]
-    pct = lambda v, q: float(np.percentile(v, q)) if v else float("nan")  # noqa: E731
-    return {"concurrency": experiment["experiment"]["value"], "num_requests": len(requests),
-            "output_tokens_per_s": tokens / seconds, "requests_per_s": len(requests) / seconds,
-            "ttft_mean_s": float(np.mean(ttft)), "ttft_p99_s": pct(ttft, 99),
-            "itl_mean_s": float(np.mean(itl)) if itl else float("nan"), "itl_p99_s": pct(itl, 99)}
+    records = []
+    for r in experiment["requests"]:
+        if not r.get("response_timestamps"):
+            continue
+        record = Record(start=r["timestamp"] / 1e9, max_tokens=0, end=r["response_timestamps"][-1] / 1e9)
+        for when, output in zip(r["response_timestamps"], r["response_outputs"]):
+            record.add(when / 1e9, int(output["num_output_tokens"]))
+        records.append(record)
+    window = (min(r.start for r in records), max(r.end for r in records) + 1e-9)
+    return {"concurrency": experiment["experiment"]["value"], **level_stats(records, window)}
 
 
 def profile(url: str, prompts: list[str], max_tokens: int, concurrency: int, interval_ms: int,
@@ -97,15 +94,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prompt-tokens", type=int, default=64)
     p.add_argument("--output-tokens", type=int, default=32)
     p.add_argument("--measurement-interval", type=int, default=5000, help="milliseconds per measurement window")
-    p.add_argument("--out-dir", default=str(ROOT / "scripts" / "results" / "perf_analyzer"),
+    p.add_argument("--out-dir", default=str(RUNS / "perf_analyzer"),
                    help="where its input data, logs and profile exports go")
     args = p.parse_args(argv)
 
     from transformers import AutoTokenizer
 
     from tritone.launcher import temporary_server
-    from tritone.models import resolve_model
-    from tritone_client.load import PromptFactory
+    from tritone.checkpoints import resolve_model
+    from tritone_bench.workload import PromptFactory
 
     model_dir = resolve_model(args.model)
     factory = PromptFactory(AutoTokenizer.from_pretrained(model_dir))

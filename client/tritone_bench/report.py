@@ -1,14 +1,15 @@
-"""Renders figures and tables into the docs from the files they come from, between markers:
+"""The one renderer of result files into the docs: tables between markers, from their sources.
 
-    <!-- render: structured scripts/results/structured.json -->
+    <!-- render: benchmark bench_results/benchmark-avx2.json -->
     ... (generated; edits are overwritten)
     <!-- end render -->
 
-The first word names the renderer, the second its source: a benchmark's JSON for the tables of
-measured figures, a Python module for tables read from code (`serve-options` reads the
-launcher's argument parser). `scripts/render_docs` rewrites every marked block of README.md and
-docs/*.md; `--check` only says which blocks differ from their sources (tests/test_docs.py runs
-it), so no figure and no option is typed by hand.
+The first word names the renderer, the second its source: a result file (`tritone_bench.results`)
+for the tables of measured figures, each under a line naming the machine, commit and date it came
+from; or a Python module for tables read from code (`serve-options` reads the launcher's argument
+parser). `scripts/render_docs` rewrites every marked block of README.md and docs/*.md; `--check`
+only says which blocks differ from their sources (tests/test_docs.py runs it), so no figure and
+no option is typed by hand. The benchmarks print their own figures with the same tables.
 """
 
 from __future__ import annotations
@@ -23,9 +24,9 @@ import sys
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from tritone_client.machine import describe
+from tritone_bench.machine import describe
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 BLOCK = re.compile(r"(<!-- render: (\S+) (\S+) -->\n)(.*?)(<!-- end render -->)", re.DOTALL)
 NA = "n/a"
 
@@ -47,6 +48,11 @@ def _ratio(a: Any, b: Any) -> str:
     if any(isinstance(x, bool) or not isinstance(x, (int, float)) for x in (a, b)) or not b:
         return NA
     return f"{a / b:.2f}x"
+
+
+def _stat(level: dict, name: str, which: str = "mean") -> Any:
+    """A latency statistic of a level (`tritone_bench.stats.level_stats`): `ttft` or `itl`, in seconds."""
+    return (level.get(f"{name}_s") or {}).get(which)
 
 
 def _levels(*stacks: dict) -> list:
@@ -79,7 +85,7 @@ def structured_table(results: dict) -> str:
     return "\n".join(lines)
 
 
-# vLLM's front end, as scripts/benchmark names its processes (tritone_client.proc_cpu.role): the
+# vLLM's front end, as scripts/benchmark names its processes (tritone_bench.proc_cpu.role): the
 # process that serves HTTP and detokenizes, and the one that schedules; its model runs in a worker.
 PEER_FRONT_END = ("vllm api server", "vllm engine core")
 
@@ -101,8 +107,8 @@ def headline_table(results: dict) -> str:
         lines.append(f"| {c} | {_number(t.get('output_tokens_per_s'), '.1f')} "
                      f"| {_number(v.get('output_tokens_per_s'), '.1f')} "
                      f"| {_ratio(t.get('output_tokens_per_s'), v.get('output_tokens_per_s'))} "
-                     f"| {_pair(t.get('itl_mean'), v.get('itl_mean'), '.1f', 1000.0)} "
-                     f"| {_pair(t.get('ttft_mean'), v.get('ttft_mean'), '.2f')} "
+                     f"| {_pair(_stat(t, 'itl'), _stat(v, 'itl'), '.1f', 1000.0)} "
+                     f"| {_pair(_stat(t, 'ttft'), _stat(v, 'ttft'), '.2f')} "
                      f"| {_pair(t_cpu.get('text path'), _front_end_ms(v_cpu), '.3f')} |")
     return "\n".join(lines)
 
@@ -117,13 +123,13 @@ def benchmark_tables(results: dict) -> str:
         for c in _levels(levels):
             r = levels[c]
             lines.append(f"| {name} | {c} | {_number(r.get('output_tokens_per_s'), '.1f')} "
-                         f"| {_pair(r.get('ttft_mean'), r.get('ttft_p99'), '.3f')} "
-                         f"| {_pair(r.get('itl_mean'), r.get('itl_p99'), '.1f', 1000.0)} "
+                         f"| {_pair(_stat(r, 'ttft'), _stat(r, 'ttft', 'p99'), '.3f')} "
+                         f"| {_pair(_stat(r, 'itl'), _stat(r, 'itl', 'p99'), '.1f', 1000.0)} "
                          f"| {_number(r.get('tokens_per_response'), '.2f')} "
                          f"| {_number(r.get('forward_busy'), '.2f') if 'forward_busy' in r else ''} |")
     for b, r in sorted((results.get("hf_generate") or {}).items(), key=lambda kv: float(kv[0])):
         lines.append(f"| HF generate, static batch | {b} | {_number(r.get('output_tokens_per_s'), '.1f')} | "
-                     f"| {_number(r.get('itl_mean'), '.1f', 1000.0)} per step | | |")
+                     f"| {_number(r.get('step_s'), '.1f', 1000.0)} per step | | |")
 
     tritone = results.get("tritone") or {}
     steps = [(c, tritone[c]["step_ms"]) for c in _levels(tritone) if tritone[c].get("step_ms")]
@@ -148,9 +154,10 @@ def benchmark_tables(results: dict) -> str:
     return "\n".join(lines)
 
 
-def openai_throughput_table(rows: list) -> str:
+def openai_throughput_table(results: dict) -> str:
     """`scripts/openai_throughput`: the same streaming load straight to the ensemble over gRPC and
     through tritone-openai, level by level."""
+    rows = results.get("levels") or []
     lines = ["| concurrency | gRPC tok/s | tritone-openai tok/s | OpenAI / gRPC | TTFT p50 gRPC / OpenAI (s) "
              "| ITL p50 gRPC / OpenAI (ms) |", "|---|---|---|---|---|---|"]
     for row in rows:
@@ -158,8 +165,8 @@ def openai_throughput_table(rows: list) -> str:
         lines.append(f"| {row.get('concurrency', NA)} | {_number(g.get('output_tokens_per_s'), '.1f')} "
                      f"| {_number(o.get('output_tokens_per_s'), '.1f')} "
                      f"| {_ratio(o.get('output_tokens_per_s'), g.get('output_tokens_per_s'))} "
-                     f"| {_pair((g.get('ttft_s') or {}).get('p50'), (o.get('ttft_s') or {}).get('p50'), '.3f')} "
-                     f"| {_pair((g.get('itl_s') or {}).get('p50'), (o.get('itl_s') or {}).get('p50'), '.1f', 1000.0)} |")
+                     f"| {_pair(_stat(g, 'ttft', 'p50'), _stat(o, 'ttft', 'p50'), '.3f')} "
+                     f"| {_pair(_stat(g, 'itl', 'p50'), _stat(o, 'itl', 'p50'), '.1f', 1000.0)} |")
     return "\n".join(lines)
 
 
@@ -195,11 +202,52 @@ def parallel_table(runs: dict) -> str:
             level, cpu = tritone[c], tritone[c].get("cpu_ms_per_token") or {}
             lines.append(f"| {run.get('label', NA) if i == 0 else ''} | {c} "
                          f"| {_number(level.get('output_tokens_per_s'), '.1f')} "
-                         f"| {_number(level.get('itl_mean'), '.1f', 1000.0)} "
-                         f"| {_number(level.get('ttft_mean'), '.2f')} "
+                         f"| {_number(_stat(level, 'itl'), '.1f', 1000.0)} "
+                         f"| {_number(_stat(level, 'ttft'), '.2f')} "
                          + " ".join(f"| {_number(cpu.get(k), '.2f')}" for k in ("llm", "llm workers", "text path"))
                          + " |")
     lines += ["", "(CPU: milliseconds per output token, `/proc/<pid>/stat` of each process over the level)"]
+    return "\n".join(lines)
+
+
+def suite_tables(results: dict) -> str:
+    """`scripts/bench_suite`: each model's levels on both stacks, Hugging Face `generate`, the
+    ensemble over `llm_inline` level by level, and perf_analyzer's run."""
+    lines = []
+    for name, r in (results.get("models") or {}).items():
+        (sp, so), (lp, lo) = r["short"], r["long"]
+        lines += [f"**{name} model** (short: {sp} prompt tokens, {so} output; long: {lp} prompt tokens, {lo} "
+                  "output; chat: a long-tailed mix of lengths)", "",
+                  "| configuration | load | output tok/s | req/s | goodput req/s | TTFT p50 / p99 (s) "
+                  "| ITL p50 / p99 (ms) | E2E p50 / p99 (s) | forward-busy |", "|---|---|---|---|---|---|---|---|---|"]
+        for row in r["rows"]:
+            load = f"{row['rate']}/s" if row.get("rate") else row.get("concurrency")
+            lines.append(f"| {row['model']}, {row['prompts']}, {row['stack']} | {load} "
+                         f"| {_number(row.get('output_tokens_per_s'), '.0f')} | {_number(row.get('requests_per_s'), '.2f')} "
+                         f"| {_number(row.get('goodput_requests_per_s'), '.2f')} "
+                         f"| {_pair(_stat(row, 'ttft', 'p50'), _stat(row, 'ttft', 'p99'), '.3f')} "
+                         f"| {_pair(_stat(row, 'itl', 'p50'), _stat(row, 'itl', 'p99'), '.1f', 1000.0)} "
+                         f"| {_pair(_stat(row, 'e2e', 'p50'), _stat(row, 'e2e', 'p99'), '.2f')} "
+                         f"| {_number(row.get('forward_busy'), '.2f')} |")
+        if r.get("hf_generate"):
+            lines += ["", "| Hugging Face generate (short prompts) | static batch | output tok/s | step (ms) |",
+                      "|---|---|---|---|"]
+            lines += [f"| {name} | {h['batch']} | {_number(h.get('output_tokens_per_s'), '.0f')} "
+                      f"| {_number(h.get('step_s'), '.1f', 1000.0)} |" for h in r["hf_generate"]]
+        lines.append("")
+    lines += ["Three-stage `ensemble` over single-process `llm_inline`, level by level:", "",
+              "| model | prompts | load | tok/s ratio | ITL p99 ratio | forward-busy ensemble / inline |",
+              "|---|---|---|---|---|---|"]
+    lines += [f"| {x['model']} | {x['prompts']} | {x['load']} | {_number(x.get('throughput_ratio'), '.2f')} "
+              f"| {_number(x.get('itl_p99_ratio'), '.2f')} | {_pair(x.get('busy_ensemble'), x.get('busy_inline'), '.2f')} |"
+              for x in results.get("ratios") or []]
+    pa = results.get("perf_analyzer")
+    if pa and "error" not in pa:
+        lines += ["", f"perf_analyzer `--streaming` against `ensemble` (tiny model, concurrency {pa['concurrency']}): "
+                      f"{_number(pa.get('requests_per_s'), '.1f')} requests/s, "
+                      f"{_number(pa.get('output_tokens_per_s'), '.0f')} output tokens/s, TTFT mean "
+                      f"{_number(_stat(pa, 'ttft'), '.0f', 1000.0)} ms, ITL mean {_number(_stat(pa, 'itl'), '.1f', 1000.0)} "
+                      f"ms (p99 {_number(_stat(pa, 'itl', 'p99'), '.1f', 1000.0)} ms)."]
     return "\n".join(lines)
 
 
@@ -266,17 +314,21 @@ RENDERERS = {
     "openai-throughput": Renderer(openai_throughput_table, produced_by="scripts/openai_throughput --json SOURCE"),
     "runs": Renderer(runs_table, produced_by="scripts/benchmark --json, once per run"),
     "parallel": Renderer(parallel_table, produced_by="scripts/benchmark --json, once per layout"),
+    "bench-suite": Renderer(suite_tables, produced_by="scripts/bench_suite --json SOURCE"),
     "serve-options": Renderer(serve_options, reads="code"),
 }
 
 
 def measured_head(results: Any) -> str:
-    """The machine and workload a benchmark's JSON records (what each stack ran in)."""
-    if not isinstance(results, dict):
+    """The machine, commit and date a result file records, and the workload (what each stack ran in)."""
+    if not isinstance(results, dict) or "machine" not in results:
         return "Machine not recorded"
+    commit = results.get("commit") or "unknown"
+    head = (f"Measured on a {describe(results['machine'])}, at commit {commit[:12]}{'-dirty' * commit.endswith('-dirty')}"
+            f" on {str(results.get('date') or 'an unknown date')[:10]}"
+            + (" (commit and date from git: the run did not record them)" if results.get("provenance") else ""))
     config = results.get("config", {})
-    head = (f"Measured on a {describe(results['machine'])}" if "machine" in results else "Machine not recorded")
-    if config:
+    if config.get("prompt_len"):
         head += (f"; {config.get('prompt_len')}-token prompts, {config.get('output_len')} output tokens, "
                  f"Tritone {results.get('tritone_dtype')}"
                  + (f", vLLM {results['peer_dtype']} on {results['peer_threads']} engine thread(s)"
