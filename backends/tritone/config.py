@@ -105,6 +105,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("forward", str, "auto", "native: Tritone's Llama-family model in one native call per step; torch: the "
            "model's torch modules (compiled per --compile); auto: native where it can run, is fastest and passes "
            "the start-up check", choices=("auto", "native", "torch")),
+    Option("gemm", str, "auto", "GEMM kernel of the linears on CPU: auto (for each weight shape, the fastest here of "
+           "those that pass the start-up check), or one of them: tritone (AVX2/AVX512-BF16), amx (AMX tiles), "
+           "onednn, mm (torch's, on blocks of 32 rows)", choices=("auto", "tritone", "amx", "onednn", "mm")),
     Option("attention", str, "auto", "paged attention kernel (auto: the native kernel on CPU; on CUDA the first of "
            "flash-varlen and triton that agrees with SDPA on a probe batch at start)",
            choices=("auto", "cpu-native", "flash-varlen", "triton", "sdpa")),

@@ -7,8 +7,8 @@ where the row sits. MKL's `mm` and oneDNN's prepacked GEMM pick their blocking b
 their results change with it (measured on an Intel Xeon with AMX: row 0 of a 33-row bf16 call differs
 from the same row alone); called on blocks of `block_rows` rows (the last one padded where the
 kernel needs it), they give each row the same bits whatever else is in the batch. Tritone's own kernel (`csrc/gemm.c`: fp32,
-or bf16 on CPUs with AVX512-BF16, on a copy packed in column panels) computes each row alike at any
-row count. Each candidate is checked at start on this machine, against the product in float32 and
+or bf16 on CPUs with AVX512-BF16, on a copy packed in column panels; "amx", the same panels on AMX
+tiles where the CPU has them) computes each row alike at any row count. Each candidate is checked at start on this machine, against the product in float32 and
 for row invariance, before it is timed; one that fails is dropped and logged.
 
 Which is fastest depends on the CPU: on a 2-core AMD EPYC (AVX2, fp32) Tritone's kernel ran 1.3x
@@ -47,7 +47,7 @@ _COLD_BYTES = 64 << 20
 # (not past it), so its last block needs no padding and a lone decode row costs one row's GEMM;
 # MKL's changes below 32 rows too. The check at start decides which hold here.
 _BLOCK_ROWS = 32
-KERNELS = ("mm", "onednn", "tritone")
+KERNELS = ("mm", "onednn", "tritone", "amx")
 # A kernel's largest error against the float32 product of the same rounded operands, relative to
 # that product's largest magnitude: fp32 sums in another order, or a bf16 output's rounding.
 _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
@@ -55,12 +55,13 @@ _TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 1e-2, torch.float16: 2e-3}
 
 def candidate_names(kernel: str) -> list[str]:
     """`kernel` as the choices it is measured in: Tritone's as it is, torch's on blocks of rows."""
-    return [kernel] if kernel == "tritone" else [f"{kernel}/{_BLOCK_ROWS}", f"{kernel}/{_BLOCK_ROWS}p"]
+    return [kernel] if kernel in ("tritone", "amx") else [f"{kernel}/{_BLOCK_ROWS}", f"{kernel}/{_BLOCK_ROWS}p"]
 
 
 @dataclass(eq=False)
 class PackedLinear:
-    """A layer's weight in the layout its kernel reads. `choice` is "tritone", or "mm/R" or
+    """A layer's weight in the layout its kernel reads. `choice` is "tritone", "amx" (Tritone's bf16
+    GEMM on AMX tiles, same panels), or "mm/R" or
     "onednn/R": torch's kernel on blocks of R rows, the last one as it is, or with "p" after R,
     padded to R rows."""
 
@@ -78,10 +79,13 @@ class PackedLinear:
         self.block_rows = int(rows.removesuffix("p") or 0)
         if self.kernel == "onednn":
             self.onednn = torch.ops.mkldnn._reorder_linear_weight(self.weight.t().contiguous(), self.block_rows)
-        elif self.kernel == "tritone":
+        elif self.kernel in ("tritone", "amx"):
             self.panels = kernels.pack(self.weight)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.kernel == "amx":
+            out = kernels.gemm_bf16_amx(x, self.panels, None, self.weight.shape[1])
+            return (out if bias is None else out + bias).to(x.dtype)
         if self.kernel == "tritone":
             if x.dtype == torch.bfloat16:
                 out = kernels.gemm_bf16(x, self.panels, None, self.weight.shape[1])
@@ -118,6 +122,8 @@ def available(dtype: torch.dtype) -> tuple[str, ...]:
     if (dtype == torch.float32 and kernels.native_library() is not None) or (
             dtype == torch.bfloat16 and kernels.bf16_gemm_supported()):
         names.append("tritone")
+    if dtype == torch.bfloat16 and kernels.amx_gemm_supported():
+        names.append("amx")
     return tuple(names)
 
 

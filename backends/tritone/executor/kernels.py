@@ -84,6 +84,12 @@ def _build() -> ctypes.CDLL:
     lib.gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
     lib.gemm_bf16_argmax.restype = ctypes.c_int
     lib.gemm_bf16_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
+    lib.gemm_bf16_amx_supported.restype = ctypes.c_int
+    lib.gemm_bf16_amx_supported.argtypes = []
+    lib.gemm_bf16_amx.restype = None
+    lib.gemm_bf16_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
+    lib.gemm_bf16_amx_argmax.restype = ctypes.c_int
+    lib.gemm_bf16_amx_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
     lib.to_bf16_rows.restype = None
     lib.to_bf16_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
     lib.argmax_rows.restype = None
@@ -232,6 +238,23 @@ def gemm_bf16_argmax(x: torch.Tensor, panels: torch.Tensor, out_features: int) -
     """(x @ weight).argmax(dim=-1) on `pack_bf16`'s panels without writing the product, as
     `gemm_f32_argmax`."""
     return _gemm_argmax(native_library().gemm_bf16_argmax, _bf16_rows(x), x, panels, out_features)
+
+
+def amx_gemm_supported() -> bool:
+    """Whether `gemm_bf16_amx` runs on AMX tiles here: kernels built for a CPU with AMX-BF16, and
+    this process allowed to use the tiles."""
+    lib = native_library()
+    return lib is not None and bool(lib.gemm_bf16_amx_supported())
+
+
+def gemm_bf16_amx(x: torch.Tensor, panels: torch.Tensor, bias: torch.Tensor | None, out_features: int) -> torch.Tensor:
+    """`gemm_bf16` on AMX tiles, same panels (its own kernel where `in` is not a multiple of 32)."""
+    return _gemm(native_library().gemm_bf16_amx, _bf16_rows(x), x, panels, bias, out_features)
+
+
+def gemm_bf16_amx_argmax(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """`gemm_bf16_argmax` on AMX tiles."""
+    return _gemm_argmax(native_library().gemm_bf16_amx_argmax, _bf16_rows(x), x, panels, out_features)
 
 
 def pack(weight_t: torch.Tensor) -> torch.Tensor:

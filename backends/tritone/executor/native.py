@@ -74,7 +74,7 @@ def slower_reason(model, dtype: torch.dtype) -> str | None:
     """Why `--forward auto` leaves the native forward out though it can run (None: it does not):
     in bf16 its GEMM is Tritone's, which must have measured fastest here (gemm.py)."""
     chosen = model.layers[0].mlp.gate_up_proj.packed_linear
-    if dtype == torch.bfloat16 and (chosen is None or chosen.kernel != "tritone"):
+    if dtype == torch.bfloat16 and (chosen is None or chosen.kernel not in ("tritone", "amx")):
         return f"torch's bfloat16 GEMM ({chosen.choice if chosen else 'mm'}) measured faster than Tritone's here (gemm.py)"
     return None
 
@@ -87,6 +87,13 @@ def _all_reduce_buffer(all_reduce, views: dict, ctx, x, n: int) -> None:
             views.clear()
         view = views[(address, n)] = torch.frombuffer((ctypes.c_float * n).from_address(address), dtype=torch.float32)
     all_reduce(view)
+
+
+def _gemm_code(model) -> int:
+    """The bf16 model's GEMM in the native forward: on AMX tiles (2) where the MLP's measured
+    choice is "amx", else AVX512-BF16 (1)."""
+    chosen = model.layers[0].mlp.gate_up_proj.packed_linear
+    return 2 if chosen is not None and chosen.kernel == "amx" else 1
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -144,7 +151,7 @@ class NativeForward:
         self.model = _Model(
             num_layers=spec.num_layers, hidden=spec.hidden_size, intermediate=spec.intermediate_size,
             num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads, head_dim=spec.head_dim,
-            vocab=spec.vocab_size, bf16=int(bf16), vocab_start=vocab_start, vocab_rows=vocab_rows,
+            vocab=spec.vocab_size, bf16=_gemm_code(model) if bf16 else 0, vocab_start=vocab_start, vocab_rows=vocab_rows,
             all_reduce=self._all_reduce, all_reduce_ctx=reduce_ctx, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
             embed=_ptr(model.embed_tokens.weight), rope=_ptr(rope), final_norm=_ptr(final_norm),
             lm_head=_ptr(self._panels(model.lm_head)), layers=layers)

@@ -13,6 +13,8 @@
  * pairs of k (the operand layout of vdpbf16ps, which multiplies two bf16 pairs per fp32 lane),
  * sums in fp32. It takes the same panel scheme as the fp32 one below (one driver serves both).
  *
+ * AMX (where the CPU has it): the bf16 panels and rows again, multiplied on tiles (panel_rows_amx).
+ *
  * Plain C with GCC/Clang vector extensions, no torch headers; threads from pool.c. */
 #include <stddef.h>
 #include <stdint.h>
@@ -168,6 +170,111 @@ static void panel_rows_bf16(const void *a_, int M, int K, int N, const void *pan
 }
 #endif
 
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+/* AMX (Intel Xeon since Sapphire Rapids): the same bf16 panels and A rows as gemm_bf16, multiplied
+ * on tiles. A block of up to 32 rows takes four accumulator tiles (two row halves by the panel's
+ * two halves of 16 columns), two tiles of A and two of the panel; each step of the reduction takes
+ * 32 values of k. Every row's sum runs over k in the same blocks and order whatever the row count
+ * or the row's place in the block, so a row's result never depends on the rows beside it. K must
+ * be a multiple of 32 (gemm_bf16_amx falls back to gemm_bf16's kernel where it is not). */
+#define MR_AMX 32
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} TileConfig;
+
+/* A thread's tile configuration lasts until it loads another: the rows of the two halves it was
+ * last set for (-1: never set on this thread). */
+static __thread int tile_rows0 = -1, tile_rows1 = -1;
+
+static inline void configure_tiles(int r0, int r1) {
+    if (r0 == tile_rows0 && r1 == tile_rows1) return;
+    TileConfig cfg = {0};
+    cfg.palette = 1;
+    for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
+    cfg.rows[0] = cfg.rows[1] = cfg.rows[4] = r0;  /* C and A, rows [0, r0) of the block */
+    cfg.rows[2] = cfg.rows[3] = cfg.rows[5] = r1;  /* C and A, rows [16, 16 + r1) */
+    cfg.rows[6] = cfg.rows[7] = 16;                /* the panel: 16 rows of pairs, 16 columns each */
+    if (!r1) cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[5] = 0;
+    _tile_loadconfig(&cfg);
+    tile_rows0 = r0, tile_rows1 = r1;
+}
+
+/* Rows [0, mr) (mr <= 32) of A times one panel into c, prefetching `next` over the K loop. */
+static void block_amx(const uint16_t *a, int K, const uint16_t *panel, float *c, int ldc, int ncols,
+                      const float *bias, int mr, const uint16_t *next) {
+    const int r0 = mr < 16 ? mr : 16, r1 = mr - r0;
+    configure_tiles(r0, r1);
+    _tile_zero(0);
+    _tile_zero(1);
+    if (r1) {
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    const size_t a_stride = (size_t)K * 2, p_stride = NR_BF16 * 2 * 2;
+    for (int k = 0; k < K; k += 32) {
+        const uint16_t *b = panel + (size_t)k * NR_BF16; /* pair row k / 2 */
+        if (next)
+            for (int line = 0; line < 32; line++)
+                __builtin_prefetch((const char *)(next + (size_t)k * NR_BF16) + line * 64, 0, 3);
+        _tile_loadd(6, b, p_stride);
+        _tile_loadd(7, b + NR_BF16, p_stride);
+        _tile_loadd(4, a + k, a_stride);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (r1) {
+            _tile_loadd(5, a + (size_t)16 * K + k, a_stride);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    if (ncols == NR_BF16 && !bias) {
+        _tile_stored(0, c, (size_t)ldc * 4);
+        _tile_stored(1, c + 16, (size_t)ldc * 4);
+        if (r1) {
+            _tile_stored(2, c + (size_t)16 * ldc, (size_t)ldc * 4);
+            _tile_stored(3, c + (size_t)16 * ldc + 16, (size_t)ldc * 4);
+        }
+        return;
+    }
+    float buf[MR_AMX][NR_BF16];
+    _tile_stored(0, buf[0], sizeof buf[0]);
+    _tile_stored(1, buf[0] + 16, sizeof buf[0]);
+    if (r1) {
+        _tile_stored(2, buf[16], sizeof buf[0]);
+        _tile_stored(3, buf[16] + 16, sizeof buf[0]);
+    }
+    for (int r = 0; r < mr; r++)
+        for (int j = 0; j < ncols; j++) c[(size_t)r * ldc + j] = buf[r][j] + (bias ? bias[j] : 0.0f);
+}
+
+static void panel_rows_amx(const void *a_, int M, int K, int N, const void *panel_, float *c, int ncols,
+                           const float *bias, const void *next_) {
+    const uint16_t *a = a_, *panel = panel_, *next = next_;
+    for (int m = 0; m < M; m += MR_AMX)
+        block_amx(a + (size_t)m * K, K, panel, c + (size_t)m * N, N, ncols, bias, M - m < MR_AMX ? M - m : MR_AMX,
+                  m ? 0 : next); /* the first block's pass fetches the next panel for all */
+}
+#endif
+
+/* 1 where gemm_bf16_amx runs on AMX here: built for such a CPU, and the kernel lets this
+ * process use the tiles (Linux asks each process to request them once). */
+int gemm_bf16_amx_supported(void) {
+#if defined(HAVE_AMX)
+    static int granted = -1;
+    if (granted < 0) /* ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA */
+        granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+    return granted;
+#else
+    return 0;
+#endif
+}
+
 /* 1 where gemm_bf16 and gemm_bf16_argmax run here (built for a CPU with AVX512-BF16). */
 int gemm_bf16_supported(void) {
 #if defined(__AVX512BF16__)
@@ -209,6 +316,22 @@ static const Kernel F32 = {NR, MR, sizeof(float), 1, panel_rows_f32};
 #if defined(__AVX512BF16__)
 static const Kernel BF16 = {NR_BF16, MR_BF16, sizeof(uint16_t), 2, panel_rows_bf16};
 #endif
+#if defined(HAVE_AMX)
+static const Kernel AMX = {NR_BF16, MR_AMX, sizeof(uint16_t), 2, panel_rows_amx};
+#endif
+
+/* The bf16 kernel for a reduction of K: AMX's where asked for, allowed and K is whole tiles of it. */
+static const Kernel *bf16_kernel(int amx, int K) {
+#if defined(HAVE_AMX)
+    if (amx && K % 32 == 0 && gemm_bf16_amx_supported()) return &AMX;
+#endif
+    (void)amx, (void)K;
+#if defined(__AVX512BF16__)
+    return &BF16;
+#else
+    return 0;
+#endif
+}
 
 /* Rows are taken in blocks of about A_BLOCK_BYTES of A, every panel for one block before the
  * next: a panel's passes then read their rows of A from the core's own L2 rather than all of A
@@ -315,9 +438,15 @@ void gemm_f32(const float *a, const float *panels, const float *bias, float *c, 
  * [N] float32 or NULL, c: [M, N] float32. Nothing where gemm_bf16_supported() is 0. */
 void gemm_bf16(const uint16_t *a, const uint16_t *panels, const float *bias, float *c, int M, int K, int N,
                int num_threads) {
-#if defined(__AVX512BF16__)
-    gemm_run(&BF16, a, panels, bias, c, M, K, N, num_threads);
-#endif
+    const Kernel *kn = bf16_kernel(0, K);
+    if (kn) gemm_run(kn, a, panels, bias, c, M, K, N, num_threads);
+}
+
+/* gemm_bf16 on AMX tiles (same operands); gemm_bf16's kernel where K % 32 or AMX is missing. */
+void gemm_bf16_amx(const uint16_t *a, const uint16_t *panels, const float *bias, float *c, int M, int K, int N,
+                   int num_threads) {
+    const Kernel *kn = bf16_kernel(1, K);
+    if (kn) gemm_run(kn, a, panels, bias, c, M, K, N, num_threads);
 }
 
 /* Folds rows [0, mb) of a panel's product (buf, rows of nr floats, the first ncols valid; column
@@ -438,9 +567,13 @@ int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, in
 /* gemm_bf16's argmax, as gemm_f32_argmax; -2 where gemm_bf16_supported() is 0. */
 int gemm_bf16_argmax(const uint16_t *a, const uint16_t *panels, int64_t *out, int M, int K, int N,
                      int num_threads) {
-#if defined(__AVX512BF16__)
-    return argmax_run(&BF16, a, panels, out, M, K, N, num_threads);
-#else
-    return -2;
-#endif
+    const Kernel *kn = bf16_kernel(0, K);
+    return kn ? argmax_run(kn, a, panels, out, M, K, N, num_threads) : -2;
+}
+
+/* gemm_bf16_amx's argmax, as gemm_bf16_argmax. */
+int gemm_bf16_amx_argmax(const uint16_t *a, const uint16_t *panels, int64_t *out, int M, int K, int N,
+                         int num_threads) {
+    const Kernel *kn = bf16_kernel(1, K);
+    return kn ? argmax_run(kn, a, panels, out, M, K, N, num_threads) : -2;
 }

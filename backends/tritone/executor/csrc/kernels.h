@@ -32,6 +32,7 @@ static inline int pool_next(int *counter) { return __atomic_fetch_add(counter, 1
 
 /* Linear layers on weights packed in column panels, fp32 and bf16 (gemm.c). */
 int gemm_bf16_supported(void);
+int gemm_bf16_amx_supported(void);
 void to_bf16_rows(const float *x, uint16_t *out, int M, int K, int num_threads);
 void gemm_f32(const float *a, const float *panels, const float *bias, float *c, int M, int K, int N,
               int num_threads);
@@ -40,6 +41,10 @@ void gemm_bf16(const uint16_t *a, const uint16_t *panels, const float *bias, flo
 int gemm_f32_argmax(const float *a, const float *panels, int64_t *out, int M, int K, int N, int num_threads);
 int gemm_bf16_argmax(const uint16_t *a, const uint16_t *panels, int64_t *out, int M, int K, int N,
                      int num_threads);
+void gemm_bf16_amx(const uint16_t *a, const uint16_t *panels, const float *bias, float *c, int M, int K, int N,
+                   int num_threads);
+int gemm_bf16_amx_argmax(const uint16_t *a, const uint16_t *panels, int64_t *out, int M, int K, int N,
+                         int num_threads);
 
 /* Attention over the paged KV cache (paged_attention.c). */
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
@@ -93,9 +98,11 @@ void shm_all_reduce(void *ctx, float *x, int64_t n);
  * [vocab_start, vocab_start + vocab_rows), and all_reduce adds the partial sums after o_proj,
  * down_proj and the embedding, called with all_reduce_ctx; all_reduce NULL: the whole model,
  * vocab_start 0. */
+#define BF16_AMX 2
 typedef struct {
     int num_layers, hidden, intermediate, num_heads, num_kv_heads, head_dim, vocab;
-    int bf16;                /* weights' panels, embeddings and KV cache in bf16, else float32 */
+    int bf16;                /* weights' panels, embeddings and KV cache in bf16 (BF16_AMX: its GEMMs on AMX
+                              * tiles), else float32 */
     int vocab_start, vocab_rows;
     AllReduceFn all_reduce;
     void *all_reduce_ctx;

@@ -121,7 +121,9 @@ static const void *gemm_input(const LlamaModel *m, const float *x, uint16_t *x_b
 /* out [T, N] = a [T, K] @ the linear's panels (+ bias), a as gemm_input gives it. */
 static void linear_of(const LlamaModel *m, const void *a, const void *panels, const float *bias, float *out, int T,
                       int K, int N, int num_threads) {
-    if (m->bf16)
+    if (m->bf16 == BF16_AMX)
+        gemm_bf16_amx(a, panels, bias, out, T, K, N, num_threads);
+    else if (m->bf16)
         gemm_bf16(a, panels, bias, out, T, K, N, num_threads);
     else
         gemm_f32(a, panels, bias, out, T, K, N, num_threads);
@@ -282,6 +284,8 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
         return 0;
     }
     const void *a = gemm_input(m, normed, x_bf16, b->num_logits, Hd, num_threads);
+    if (m->bf16 == BF16_AMX)
+        return gemm_bf16_amx_argmax(a, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads);
     return m->bf16 ? gemm_bf16_argmax(a, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads)
                    : gemm_f32_argmax(a, m->lm_head, greedy_ids, b->num_logits, Hd, m->vocab, num_threads);
 }
