@@ -1,27 +1,27 @@
 """README.md and docs/ say what their sources say (scripts/render_docs): figures from the
-benchmarks' JSON, options from the launcher's parser; and every relative link in them resolves."""
+benchmarks' result files, options from the launcher's parser; and every relative link in them resolves."""
 
 import copy
 import json
 import pathlib
 import re
-import sys
 
 import pytest
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "scripts"))
+from tritone.launcher import build_parser
+from tritone_bench import report as render_docs
 
-import render_docs  # noqa: E402
-from tritone.launcher import build_parser  # noqa: E402
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STRUCTURED = ROOT / "bench_results/structured-avx2.json"
 
 
 @pytest.fixture
 def benchmark_results():
     """A `scripts/benchmark --peer vllm` result, from the structured-outputs run's free levels
-    (the same "tritone" and "peer" layout as scripts/results/benchmark.json)."""
-    results = json.loads((ROOT / "scripts/results/structured.json").read_text())
-    keep = ("config", "machine", "tritone", "peer", "hf_generate", "tritone_dtype", "peer_dtype", "peer_threads")
+    (the same "tritone" and "peer" layout as bench_results/benchmark-avx2.json)."""
+    results = json.loads(STRUCTURED.read_text())
+    keep = ("config", "machine", "commit", "date", "tritone", "peer", "hf_generate", "tritone_dtype", "peer_dtype",
+            "peer_threads")
     return copy.deepcopy({key: results[key] for key in keep if key in results})
 
 
@@ -36,12 +36,12 @@ def table_rows(text: str, first_cell: str) -> list[list[str]]:
 def test_every_rendered_block_matches_its_source():
     assert render_docs.stale() == []
     texts = [p.read_text() for p in render_docs.documents()]
-    for name in ("structured", "headline", "benchmark", "serve-options", "openai-throughput"):
+    for name in ("structured", "headline", "benchmark", "serve-options", "openai-throughput", "bench-suite"):
         assert any(f"<!-- render: {name} " in text for text in texts), name
 
 
 def test_a_changed_figure_makes_its_document_stale(tmp_path, monkeypatch):
-    results = json.loads((ROOT / "scripts/results/structured.json").read_text())
+    results = json.loads(STRUCTURED.read_text())
     changed = copy.deepcopy(results)
     changed["tritone_structured"]["32"]["output_tokens_per_s"] *= 2
     source = tmp_path / "structured.json"
@@ -55,6 +55,7 @@ def test_a_changed_figure_makes_its_document_stale(tmp_path, monkeypatch):
     text = render_docs.rendered(doc.read_text())
     assert f"{2 * results['tritone_structured']['32']['output_tokens_per_s']:.1f}" in text
     assert "-core " in text  # the machine, described from the JSON
+    assert f"at commit {results['commit'][:12]} on {results['date'][:10]}" in text  # and where it came from
 
 
 def test_headline_compares_the_stacks_level_by_level(benchmark_results):
@@ -64,8 +65,8 @@ def test_headline_compares_the_stacks_level_by_level(benchmark_results):
     tr, peer = benchmark_results["tritone"]["32"], benchmark_results["peer"]["32"]
     assert row[1] == f"{tr['output_tokens_per_s']:.1f}" and row[2] == f"{peer['output_tokens_per_s']:.1f}"
     assert row[3] == f"{tr['output_tokens_per_s'] / peer['output_tokens_per_s']:.2f}x"
-    assert row[4] == f"{1000 * tr['itl_mean']:.1f} / {1000 * peer['itl_mean']:.1f}"
-    assert row[5] == f"{tr['ttft_mean']:.2f} / {peer['ttft_mean']:.2f}"
+    assert row[4] == f"{1000 * tr['itl_s']['mean']:.1f} / {1000 * peer['itl_s']['mean']:.1f}"
+    assert row[5] == f"{tr['ttft_s']['mean']:.2f} / {peer['ttft_s']['mean']:.2f}"
     front_end = peer["cpu_ms_per_token"]["vllm api server"] + peer["cpu_ms_per_token"]["vllm engine core"]
     assert row[6] == f"{tr['cpu_ms_per_token']['text path']:.3f} / {front_end:.3f}"
 
@@ -75,7 +76,7 @@ def test_headline_levels_in_numeric_order_and_missing_figures_as_na(benchmark_re
     results["tritone"]["128"] = {"output_tokens_per_s": 300.0}  # no latencies, no CPU figures
     results["tritone"]["4"] = copy.deepcopy(results["tritone"]["32"])
     del results["tritone"]["4"]["cpu_ms_per_token"]["text path"]
-    results["peer"]["32"]["itl_mean"] = float("nan")
+    results["peer"]["32"]["itl_s"]["mean"] = float("nan")
     text = render_docs.render("headline", results)
     levels = [line.split("|")[1].strip() for line in text.splitlines() if re.match(r"\| \d", line)]
     assert levels == ["4", "32", "128"]
@@ -102,11 +103,11 @@ def test_benchmark_tables_take_every_level_phase_and_process(benchmark_results):
 
 
 def test_openai_throughput_table():
-    rows = [{"concurrency": 32, "ratio": 1.1,
+    levels = [{"concurrency": 32, "ratio": 1.1,
              "grpc": {"output_tokens_per_s": 100.0, "ttft_s": {"p50": 0.5}, "itl_s": {"p50": 0.15}},
              "openai": {"output_tokens_per_s": 110.0, "ttft_s": {"p50": 0.4}, "itl_s": {"p50": 0.14}}},
             {"concurrency": 128, "grpc": {}, "openai": {"output_tokens_per_s": 140.0}}]
-    text = render_docs.render("openai-throughput", rows)
+    text = render_docs.render("openai-throughput", {"levels": levels})
     assert table_rows(text, "32") == [["32", "100.0", "110.0", "1.10x", "0.500 / 0.400", "150.0 / 140.0"]]
     assert table_rows(text, "128") == [["128", "n/a", "140.0", "n/a", "n/a / n/a", "n/a / n/a"]]
 
@@ -125,7 +126,7 @@ def test_a_source_not_yet_written_says_which_command_writes_it(tmp_path, monkeyp
 
 
 def test_serve_options_follow_the_launchers_parser():
-    source = "backends/tritone/launcher.py"
+    source = "backends/tritone/launcher/options.py"
     path = render_docs.load("serve-options", source)
     assert path == render_docs.ROOT / source  # a code source is handed over, not parsed as JSON
     text = render_docs.render("serve-options", path)
