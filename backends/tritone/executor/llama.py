@@ -233,7 +233,9 @@ class LlamaForCausalLM(nn.Module):
         # Its own [hidden, vocab] copy even when tied: the logits GEMM is the largest of a decode
         # step, and it runs fastest in the same layout as the others.
         self.lm_head = Linear(spec.hidden_size, spec.vocab_size, False, dtype)
-        self.register_buffer("rope", rope, persistent=False)
+        # The table is made on the host; the model's device is where its weights were created
+        # (the caller's `with torch.device(...)`), and the forward indexes it with positions there.
+        self.register_buffer("rope", rope.to(self.embed_tokens.weight.device), persistent=False)
         # The decoder layer's forward, replaced by its compiled form (see compiler.py).
         self.layer_forward = DecoderLayer.forward
 

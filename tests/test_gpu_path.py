@@ -1,0 +1,27 @@
+"""The CUDA path's failures that a CPU can find: the model built under another device holds every
+parameter and buffer there (the first CUDA forward once indexed a host RoPE table with device
+positions)."""
+
+import pytest
+import torch
+from transformers import LlamaConfig, Qwen3Config
+
+from tritone.executor import llama
+
+COMMON = dict(vocab_size=384, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=16, max_position_embeddings=256)
+
+
+@pytest.mark.parametrize("config", [LlamaConfig(**COMMON, architectures=["LlamaForCausalLM"]),
+                                    Qwen3Config(**COMMON, architectures=["Qwen3ForCausalLM"])], ids=["llama", "qwen3"])
+def test_a_model_built_under_a_device_holds_everything_there(config):
+    spec = llama.spec_from_config(config, 256)
+    rope = llama.rope_table(config, spec)  # made on the host, as build_model does
+    with torch.device("meta"):
+        model = llama.LlamaForCausalLM(spec, rope, torch.float32)
+    elsewhere = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if t.device.type != "meta"]
+    # A layer's index for the attention op stays on the host by design: read there, no device sync.
+    assert [n for n in elsewhere if not n.endswith(".layer_idx")] == []
+    with torch.device("meta"):
+        positions = torch.arange(3)
+    assert model.rope[positions].device.type == "meta"  # the forward's first indexing
