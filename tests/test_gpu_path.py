@@ -25,3 +25,18 @@ def test_a_model_built_under_a_device_holds_everything_there(config):
     with torch.device("meta"):
         positions = torch.arange(3)
     assert model.rope[positions].device.type == "meta"  # the forward's first indexing
+
+
+def test_device_tensors_never_build_the_native_library(monkeypatch):
+    """The CPU kernels' library is compiled on first use: a step on another device must not pay
+    for it (nor fail where no compiler is installed)."""
+    from tritone.executor import kernels
+
+    def refuse():
+        raise AssertionError("the native library was asked for")
+
+    monkeypatch.setattr(kernels, "native_library", refuse)
+    with torch.device("meta"):
+        x, p = torch.zeros(3, 7), torch.full((3,), 0.9)
+    assert kernels.argmax_rows(x).device.type == "meta"
+    assert kernels.top_p_rows(x, p) is False

@@ -265,9 +265,10 @@ def pack(weight_t: torch.Tensor) -> torch.Tensor:
 def argmax_rows(x: torch.Tensor) -> torch.Tensor:
     """`x.argmax(dim=-1)` of a [rows, n] float32 CPU tensor: the lowest index of each row's
     maximum, as torch's; falls back to torch where the native kernels are missing."""
-    lib = native_library()
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or x.dim() != 2 or not x.shape[1]:
+    # The device first: on a GPU the native library is never built, nor waited for.
+    if x.device.type != "cpu" or x.dtype != torch.float32 or x.dim() != 2 or not x.shape[1] or native_library() is None:
         return x.argmax(dim=-1)
+    lib = native_library()
     x = x.contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
     if x.shape[0]:
@@ -279,13 +280,13 @@ def sample_rows(x: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor)
     """One token per row of x [rows, n] float32, drawn from softmax(x * inv_temperature[row]) by
     inverting its cumulative sum at u[row] (uniform in [0, 1), float64): the first token whose
     running sum exceeds u times the total. Tokens at -inf are never drawn."""
-    lib = native_library()
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu":
+    if x.device.type != "cpu" or x.dtype != torch.float32 or native_library() is None:
         inv_temperature, u = inv_temperature.to(x.device, torch.float64), u.to(x.device, torch.float64)
         probs = torch.softmax(x.double() * inv_temperature[:, None], dim=-1)
         cdf = probs.cumsum(dim=-1)
         ids = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous(), right=True)
         return ids.flatten().clamp_(max=x.shape[1] - 1)
+    lib = native_library()
     x = x.contiguous()
     inv_temperature = inv_temperature.to(torch.float32).contiguous()
     u = u.to(torch.float64).contiguous()
@@ -300,9 +301,9 @@ def top_p_rows(x: torch.Tensor, top_p: torch.Tensor) -> bool:
     """Top-p of each row of x [rows, n] (float32, contiguous, CPU) in place: a token stays while
     the more likely tokens hold less than top_p[row] of the row's mass. False where the native
     kernels are missing or x is elsewhere (nothing done)."""
-    lib = native_library()
-    if lib is None or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+    if x.device.type != "cpu" or x.dtype != torch.float32 or not x.is_contiguous() or native_library() is None:
         return False
+    lib = native_library()
     top_p = top_p.to(torch.float32).contiguous()
     if x.shape[0] and lib.top_p_rows(x.data_ptr(), x.shape[0], x.shape[1], top_p.data_ptr(), torch.get_num_threads()):
         raise MemoryError("top_p_rows could not allocate its scratch space")
