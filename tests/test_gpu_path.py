@@ -40,3 +40,11 @@ def test_device_tensors_never_build_the_native_library(monkeypatch):
         x, p = torch.zeros(3, 7), torch.full((3,), 0.9)
     assert kernels.argmax_rows(x).device.type == "meta"
     assert kernels.top_p_rows(x, p) is False
+
+
+def test_flash_varlen_is_only_tried_at_blocks_it_can_read():
+    from tritone.executor import attention
+
+    with pytest.raises(ValueError, match=r"--attention flash-varlen: .*multiple of 256 .*--block-size 256"):
+        attention.select_backend(torch.device("cpu"), torch.float32, 4, 2, 16, 16, "flash-varlen")
+    assert not any(b.name == "flash-varlen" for b in attention._cuda_candidates(16))

@@ -140,10 +140,26 @@ class FlashVarlenAttention:
                            block_table=meta.block_tables)
 
 
-def _cuda_candidates() -> list:
+# FlashAttention 2, which torch's varlen_attn bundles, reads a paged cache only in pages of a
+# multiple of 256 tokens (its flash_api checks it): at smaller blocks it could never pass a probe.
+FLASH_PAGE_MULTIPLE = 256
+
+
+def _flash_block_problem(block_size: int) -> str | None:
+    if block_size % FLASH_PAGE_MULTIPLE:
+        return (f"its paged FlashAttention takes blocks of a multiple of {FLASH_PAGE_MULTIPLE} tokens, and the KV "
+                f"cache's are {block_size} (--block-size {FLASH_PAGE_MULTIPLE} to use it)")
+    return None
+
+
+def _cuda_candidates(block_size: int) -> list:
     candidates = []
     if _has_module("torch.nn.attention.varlen"):
-        candidates.append(FlashVarlenAttention())
+        problem = _flash_block_problem(block_size)
+        if problem is None:
+            candidates.append(FlashVarlenAttention())
+        else:
+            logger.info("attention flash-varlen passed over: %s", problem)
     if _has_module("triton"):
         candidates.append(TritonPagedAttention())
     return candidates
@@ -170,6 +186,8 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     by flag that does not refuses to start); SDPA where none does."""
     if name == "cpu-native":
         kernels.require("--attention cpu-native")
+    if name == "flash-varlen" and _flash_block_problem(block_size):
+        raise ValueError(f"--attention flash-varlen: {_flash_block_problem(block_size)}")
     if name not in ("auto", "sdpa"):  # SDPA is the reference the others are checked against
         backend = BACKENDS[name]()
         problem = probe(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
@@ -187,7 +205,7 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
                 return NativeCPUAttention()
             logger.warning("attention cpu-native dropped: %s", problem)
         return TorchSDPAAttention()
-    for backend in _cuda_candidates():
+    for backend in _cuda_candidates(block_size):
         problem = probe(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
         if problem is None:
             return backend
