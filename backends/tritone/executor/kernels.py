@@ -66,49 +66,37 @@ def _build() -> ctypes.CDLL:
             if os.path.exists(tmp):
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(target))
-    # ctypes cannot read csrc/kernels.h: these restate its declarations.
-    fn = lib.paged_attention
-    fn.restype = ctypes.c_int
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int] * 6 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
-    lib.gemm_f32.restype = None
-    lib.gemm_f32.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    lib.gemm_f32_argmax.restype = ctypes.c_int
-    lib.gemm_f32_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    lib.sample_rows.restype = None
-    lib.sample_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64] + [ctypes.c_void_p] * 3 + [ctypes.c_int]
-    lib.top_p_rows.restype = ctypes.c_int
-    lib.top_p_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    lib.gemm_bf16_supported.restype = ctypes.c_int
-    lib.gemm_bf16_supported.argtypes = []
-    lib.gemm_bf16.restype = None
-    lib.gemm_bf16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    lib.gemm_bf16_argmax.restype = ctypes.c_int
-    lib.gemm_bf16_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    lib.gemm_bf16_amx_supported.restype = ctypes.c_int
-    lib.gemm_bf16_amx_supported.argtypes = []
-    lib.gemm_bf16_amx.restype = None
-    lib.gemm_bf16_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int] * 4
-    lib.gemm_bf16_amx_argmax.restype = ctypes.c_int
-    lib.gemm_bf16_amx_argmax.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int] * 4
-    lib.to_bf16_rows.restype = None
-    lib.to_bf16_rows.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int] * 3
-    lib.argmax_rows.restype = None
-    lib.argmax_rows.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
-    # llama_forward(model, batch, scratch, logits, greedy_ids, threads) and
-    # llama_scratch_floats(model, tokens): the structures are native.py's.
-    lib.llama_forward.restype = ctypes.c_int
-    lib.llama_forward.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int]
-    lib.llama_scratch_floats.restype = ctypes.c_size_t
-    lib.llama_scratch_floats.argtypes = [ctypes.c_void_p, ctypes.c_int]
-    lib.llama_struct_sizes.restype = None
-    lib.llama_struct_sizes.argtypes = [ctypes.c_void_p]
-    lib.shm_comm_bytes.restype = ctypes.c_size_t
-    lib.shm_comm_bytes.argtypes = [ctypes.c_int, ctypes.c_int64]
-    lib.shm_comm_init.restype = None
-    lib.shm_comm_init.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int, ctypes.c_int64]
-    lib.shm_all_reduce.restype = None
-    lib.shm_all_reduce.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64]
+    # ctypes cannot read csrc/kernels.h: _SIGNATURES restates its declarations.
+    for name, (restype, argtypes) in _SIGNATURES.items():
+        getattr(lib, name).restype, getattr(lib, name).argtypes = restype, argtypes
     return lib
+
+
+_P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
+# Each exported function of csrc/: (return type, argument types), as kernels.h declares them.
+# llama_forward(model, batch, scratch, logits, greedy_ids, threads) and the other llama_* take
+# the structures of native.py.
+_SIGNATURES = {
+    "paged_attention": (_I, [_P] * 7 + [_I] * 6 + [ctypes.c_float, _I, _I]),
+    "gemm_f32": (None, [_P] * 4 + [_I] * 4),
+    "gemm_f32_argmax": (_I, [_P] * 3 + [_I] * 4),
+    "gemm_bf16_supported": (_I, []),
+    "gemm_bf16": (None, [_P] * 4 + [_I] * 4),
+    "gemm_bf16_argmax": (_I, [_P] * 3 + [_I] * 4),
+    "gemm_bf16_amx_supported": (_I, []),
+    "gemm_bf16_amx": (None, [_P] * 4 + [_I] * 4),
+    "gemm_bf16_amx_argmax": (_I, [_P] * 3 + [_I] * 4),
+    "to_bf16_rows": (None, [_P] * 2 + [_I] * 3),
+    "sample_rows": (None, [_P, _I64, _I64] + [_P] * 3 + [_I]),
+    "top_p_rows": (_I, [_P, _I64, _I64, _P, _I]),
+    "argmax_rows": (None, [_P, _I64, _I64, _P, _I]),
+    "llama_forward": (_I, [_P] * 5 + [_I]),
+    "llama_scratch_floats": (ctypes.c_size_t, [_P, _I]),
+    "llama_struct_sizes": (None, [_P]),
+    "shm_comm_bytes": (ctypes.c_size_t, [_I, _I64]),
+    "shm_comm_init": (None, [_P, _P, _I, _I, _I64]),
+    "shm_all_reduce": (None, [_P, _P, _I64]),
+}
 
 
 def native_library() -> ctypes.CDLL | None:
