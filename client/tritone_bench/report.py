@@ -258,8 +258,10 @@ def _cell(text: str) -> str:
 
 
 def _default(action: argparse.Action) -> str:
-    if isinstance(action, (argparse._StoreTrueAction, argparse._StoreFalseAction)):
+    if isinstance(action, argparse._StoreTrueAction):
         return "off" if action.default is False else "on"
+    if isinstance(action, argparse._StoreFalseAction):  # a flag that turns off what is on
+        return "off" if action.default is True else "on"
     if action.default is None:
         return "none"
     return f"`{_cell(action.default)}`"
@@ -272,6 +274,7 @@ def options_table(parser: argparse.ArgumentParser) -> str:
         if isinstance(action, argparse._HelpAction) or not action.option_strings:
             continue
         what = action.help if action.help and action.help != argparse.SUPPRESS else ""
+        what = what.removesuffix(f" (default {action.default})")  # the table has a column for it
         if action.choices:
             what = (what + "; " if what else "") + "one of " + ", ".join(f"`{c}`" for c in action.choices)
         names = ", ".join(f"`{name}`" for name in action.option_strings)

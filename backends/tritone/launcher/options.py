@@ -66,9 +66,8 @@ def _add_option(group, option: Option) -> None:
         group.add_argument(option.flag_name, dest=option.name, action="store_false" if option.default else "store_true",
                            help=f"do not {option.help}" if option.default else option.help)
         return
-    default = f" (default {option.default})" if option.default not in ("", None) else ""
     group.add_argument(option.flag_name, dest=option.name, type=option.type, default=option.default,
-                       choices=list(option.choices) or None, help=option.help + default)
+                       choices=list(option.choices) or None, help=f"{option.help} (default {option.default})")
 
 
 def template_values(args, model_dir: pathlib.Path) -> dict[str, object]:
