@@ -30,7 +30,8 @@ OUTPUTS = ("text_output", "num_input_tokens", "num_output_tokens", "cum_log_prob
 
 @dataclass(slots=True)
 class Chunk:
-    """One response: the new text when streaming, the whole completion otherwise."""
+    """One response: the new text when streaming, the whole completion otherwise. The finish
+    reason is the engine's: "" while the request runs, then stop, length, cancelled or error."""
 
     text: str
     num_input_tokens: int
@@ -110,7 +111,7 @@ class TritoneClient:
                     raise RuntimeError(error.message() if hasattr(error, "message") else str(error))
                 response = result.get_response()
                 if response.outputs:
-                    yield _chunk(result.as_numpy)
+                    yield read_chunk(result.as_numpy)
                 if response.parameters["triton_final_response"].bool_param:
                     return
         finally:
@@ -138,7 +139,7 @@ class TritoneClient:
         with response:
             if not values["stream"]:
                 event = json.loads(response.read())
-                yield _chunk(lambda name: np.array(event[name]) if name in event else None)
+                yield read_chunk(lambda name: np.array(event[name]) if name in event else None)
                 return
             for line in response:
                 if not line.startswith(b"data:"):
@@ -146,7 +147,7 @@ class TritoneClient:
                 event = json.loads(line[5:])
                 if "error" in event:
                     raise RuntimeError(event["error"])
-                yield _chunk(lambda name: np.array(event[name]) if name in event else None)
+                yield read_chunk(lambda name: np.array(event[name]) if name in event else None)
 
 
 def _prompt_input(prompt) -> tuple[str, str]:
@@ -174,7 +175,10 @@ def _triton_dtype(dtype) -> str:
     return {np.int32: "INT32", np.uint64: "UINT64", np.float32: "FP32", np.bool_: "BOOL"}[np.dtype(dtype).type]
 
 
-def _chunk(get) -> Chunk:
+def read_chunk(get) -> Chunk:
+    """One response as a Chunk; `get(name)` is the output's array, or None where the response
+    lacks it (a count or a finish reason that only some responses carry reads as 0 or "")."""
+
     def first(name, default):
         array = get(name)
         if array is None or np.asarray(array).size == 0:
