@@ -17,9 +17,11 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from tritone.openai.backend import Backend, Generation
+from tritone.openai.errors import ENGINE_FAILED, UNAVAILABLE, Failure, classify_triton_error, error_body
 from tritone.openai.guard import DEFAULT_MAX_BODY_BYTES, Guard
-from tritone.openai.protocol import error_body
-from tritone.openai.server import ENGINE_FAILED, UNAVAILABLE, Backend, Generation, OpenAIServer, build_parser
+from tritone.openai.routes import OpenAIServer
+from tritone.openai.server import build_parser
 
 MODEL = "tiny"
 KEY = "sekrit"
@@ -368,6 +370,34 @@ def test_the_engines_refusals_and_busy_answers_pass_as_they_are():
     assert response.status == 503 and response.error["message"] == busy
 
 
+def test_tritons_error_text_is_classified_in_one_place():
+    # Triton's stream carries an error as text only: these are the words each kind arrives in.
+    cases = {
+        "Socket closed": Failure.UNAVAILABLE,
+        "failed to connect to all addresses; last error: UNKNOWN: ipv4:127.0.0.1:8001": Failure.UNAVAILABLE,
+        "Request for unknown model: 'ensemble' is not found": Failure.UNAVAILABLE,
+        "server busy: the request queue is full, retry later": Failure.BUSY,
+        "server is shutting down: request not accepted": Failure.BUSY,
+        "engine error: token 7 broke the request's grammar": Failure.ENGINE_FAILED,
+        "max_tokens must be positive, got 0": Failure.REFUSED,
+        "guided_decoding_guide: the schema is not valid JSON": Failure.REFUSED,
+    }
+    assert {message: classify_triton_error(message) for message in cases} == cases
+    assert [f.status for f in Failure] == [400, 503, 503, 500]
+    assert Failure.REFUSED.generic is Failure.BUSY.generic is None
+    assert (Failure.UNAVAILABLE.generic, Failure.ENGINE_FAILED.generic) == (UNAVAILABLE, ENGINE_FAILED)
+
+
+def test_a_failed_grpc_call_goes_by_its_status_code(caplog):
+    # The same words under another code are the engine's failure: the code decides, not the text.
+    for code, status in ((grpc.StatusCode.UNAVAILABLE, 503), (grpc.StatusCode.INTERNAL, 500),
+                         (grpc.StatusCode.UNKNOWN, 500)):
+        backend = FakeBackend(fail=rpc_error(code, "Socket closed"))
+        with caplog.at_level(logging.WARNING, "tritone.openai"):
+            response = post(served(backend)[0], "/v1/chat/completions", chat())
+        assert response.status == status, (code, response.body)
+
+
 def test_an_unexpected_exception_is_a_generic_500(caplog):
     class Broken(FakeBackend):
         def generate(self, *args, **kwargs):
@@ -418,6 +448,20 @@ def test_a_stream_passes_the_guard_whole():
     events = [line.removeprefix(b"data: ") for line in response.body.split(b"\n\n") if line]
     assert response.status == 200 and events[-1] == b"[DONE]"
     assert "".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]) == "Paris."
+
+
+def test_streamed_tool_calls_finish_for_tool_calls():
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    backend = FakeBackend([(FakeResult("Let me look.\n", ""), None), (FakeResult(call[:9], ""), None),
+                           (FakeResult(call[9:], "stop"), None)])
+    response = post(served(backend)[0], "/v1/chat/completions", chat(stream=True, tools=tools))
+    events = [json.loads(line.removeprefix(b"data: ")) for line in response.body.split(b"\n\n")[:-2] if line]
+    deltas = [e["choices"][0]["delta"] for e in events]
+    assert "".join(d.get("content", "") for d in deltas) == "Let me look.\n"
+    (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
+    assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
+    assert [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]] == ["tool_calls"]
 
 
 # ---- the control key on aborts ----

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import secrets
 
-from tritone.openai.protocol import error_body
+from tritone.openai.errors import error_body
 
 DEFAULT_MAX_BODY_BYTES = 4 << 20
 # Open without the key: the launcher and load balancers probe it.

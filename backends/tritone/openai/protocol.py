@@ -12,11 +12,15 @@ from __future__ import annotations
 
 import json
 import logging
-import math
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
+
+from tritone.openai.errors import RequestError
+from tritone.openai.guides import add_guide, guide_text, response_format_guide
+from tritone.openai.sendable import first_unsendable
+from tritone.openai.tools import tool_guide
 
 logger = logging.getLogger("tritone.openai")
 # When a request sets no max_tokens: OpenAI's documented default for completions; for chat,
@@ -28,32 +32,6 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 Float32 = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
-# json.dumps and the chat template recurse through what they are given; real schemas and
-# messages are nowhere near this deep.
-MAX_NESTING = 64
-
-
-class RequestError(Exception):
-    """A request the front end refuses: HTTP `status`, OpenAI error `type`, the field at fault."""
-
-    def __init__(self, message: str, param: str | None = None, status: int = 400,
-                 type: str = "invalid_request_error"):
-        super().__init__(message)
-        self.message, self.param, self.status, self.type = message, param, status, type
-
-
-def error_body(message: str, type: str = "invalid_request_error", param: str | None = None,
-               code: str | None = None) -> dict:
-    """OpenAI's error JSON. A message may quote the client's own text, which can be long and hold
-    lone surrogates that UTF-8 cannot carry: it goes out cut short and escaped."""
-    return {"error": {"message": _printable(message), "type": type, "param": param and _printable(param),
-                      "code": code}}
-
-
-def _printable(text: str, max_chars: int = 500) -> str:
-    if len(text) > max_chars:
-        text = text[:max_chars] + "..."
-    return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 class StreamOptions(BaseModel):
@@ -97,7 +75,7 @@ class _Sampling(BaseModel):
         constraint per request."""
         found = []
         if self.response_format is not None:
-            found += _response_format_guide(self.response_format)
+            found += response_format_guide(self.response_format)
         for name, kind in (("guided_json", "json_schema"), ("guided_regex", "regex"), ("guided_choice", "choice"),
                            ("guided_grammar", "ebnf_grammar")):
             value = getattr(self, name)
@@ -117,7 +95,7 @@ class _Sampling(BaseModel):
         if not found:
             return None
         field, kind, value = found[0]
-        return (field, *_guide_text(field, kind, value))
+        return (field, *guide_text(field, kind, value))
 
     def check_supported(self) -> None:
         self._check_sendable()
@@ -159,7 +137,7 @@ class _Sampling(BaseModel):
             value = getattr(self, name)
             if name not in self.model_fields_set or value is None:
                 continue
-            fault = _unsendable(value.model_dump() if isinstance(value, BaseModel) else value, name)
+            fault = first_unsendable(value.model_dump() if isinstance(value, BaseModel) else value, name)
             if fault is not None:
                 raise RequestError(f"{fault[0]} {fault[1]}", fault[0])
 
@@ -242,8 +220,6 @@ class ChatCompletionRequest(_Sampling):
 
     def tool_inputs(self, inputs: dict[str, np.ndarray], parser: str) -> None:
         """Adds the grammar of the model's tool calls (auto, required or one named function)."""
-        from tritone.openai.tools import tool_guide
-
         if not self.calls_tools:
             return
         try:
@@ -294,52 +270,6 @@ class ChatCompletionRequest(_Sampling):
         return self.logprobs
 
 
-def add_guide(inputs: dict[str, np.ndarray], guide_type: str, guide: str) -> None:
-    inputs["guided_decoding_guide_type"] = np.array([[guide_type.encode()]], dtype=object)
-    if guide:
-        inputs["guided_decoding_guide"] = np.array([[guide.encode()]], dtype=object)
-
-
-def _response_format_guide(response_format: dict) -> list[tuple[str, str, Any]]:
-    kind = response_format.get("type")
-    if kind == "text":
-        return []
-    if kind == "json_object":
-        return [("response_format", "json", "")]
-    if kind == "json_schema":
-        spec = response_format.get("json_schema")
-        schema = spec.get("schema", spec.get("json_schema")) if isinstance(spec, dict) else None
-        if not isinstance(schema, dict):
-            raise RequestError("response_format.json_schema.schema must be a JSON schema object",
-                               "response_format.json_schema.schema")
-        # strict or not, the schema is enforced: xgrammar either enforces a keyword or the
-        # engine refuses the schema.
-        return [("response_format", "json_schema", schema)]
-    raise RequestError('response_format.type must be "text", "json_object" or "json_schema"', "response_format.type")
-
-
-def _guide_text(field: str, kind: str, value) -> tuple[str, str]:
-    """(guide type, guide text) for the ensemble."""
-    if kind == "json_schema":
-        if isinstance(value, str):
-            return kind, value
-        if not isinstance(value, dict):
-            raise RequestError(f"{field} must be a JSON schema object", field)
-        return kind, json.dumps(value)
-    if kind == "choice":
-        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-            raise RequestError(f"{field} must be a non-empty list of non-empty strings", field)
-        # An EBNF of the literal choices: no regex escaping to get wrong.
-        return "ebnf_grammar", "root ::= " + " | ".join(json.dumps(c) for c in value)
-    if kind == "json":
-        return kind, ""
-    if kind == "structural_tag" and not isinstance(value, str):
-        return kind, json.dumps(value)
-    if not isinstance(value, str) or not value:
-        raise RequestError(f"{field} must be a non-empty string", field)
-    return kind, value
-
-
 def _plain_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     """A message as the chat template takes it: text content (parts of type text joined), and
     the tool fields of assistant calls and tool answers (arguments as objects, which tool-aware
@@ -383,69 +313,3 @@ def _plain_message(message: dict[str, Any], index: int) -> dict[str, Any]:
     if isinstance(message.get("name"), str):
         out["name"] = message["name"]
     return out
-
-
-def _unsendable(value, name: str) -> tuple[str, str] | None:
-    """(where, what is wrong) for the first part of field `name`'s value, in the order the client
-    wrote them, that cannot be sent on; None when all can."""
-    if _depth_within(value, MAX_NESTING):
-        try:
-            # In C, and quick; only a value that fails is walked part by part, to name the place.
-            json.dumps(value, ensure_ascii=False, allow_nan=False).encode("utf-8")
-            return None
-        except ValueError:  # UnicodeEncodeError among them
-            pass
-    return _first_fault(value, name)
-
-
-def _depth_within(value, limit: int) -> bool:
-    """Whether no more than `limit` lists and objects nest in `value`."""
-    level = [value] if isinstance(value, (dict, list)) else []
-    for _ in range(limit):
-        level = [part for v in level for part in (v.values() if isinstance(v, dict) else v)
-                 if isinstance(part, (dict, list))]
-        if not level:
-            return True
-    return not level
-
-
-def _first_fault(value, name: str) -> tuple[str, str] | None:
-    """A loop, not recursion: the nesting is the client's to choose."""
-    stack = [((name,), value)]
-    while stack:
-        where, value = stack.pop()
-        if isinstance(value, str):
-            if not _is_utf8(value):
-                return _path(where), "is not valid UTF-8 text (it holds a lone surrogate such as \\ud800)"
-        elif isinstance(value, float):
-            if not math.isfinite(value):
-                return _path(where), "must be a finite number"
-        elif isinstance(value, (dict, list)):
-            if len(where) > MAX_NESTING:
-                return _path(where), f"is nested deeper than {MAX_NESTING} levels"
-            if isinstance(value, dict) and not all(_is_utf8(key) for key in value):
-                return _path(where), "has a key that is not valid UTF-8 text (a lone surrogate such as \\ud800)"
-            parts = value.items() if isinstance(value, dict) else enumerate(value)
-            stack += reversed([((*where, key), part) for key, part in parts])
-    return None
-
-
-def _path(where: tuple) -> str:
-    """A place in a request as the client wrote it: messages[0].content."""
-    return where[0] + "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in where[1:])
-
-
-def _is_utf8(text: str) -> bool:
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        return False
-    return True
-
-
-FinishReason = Literal["stop", "length", "tool_calls"]
-
-
-def finish_reason(engine_reason: str) -> str | None:
-    """OpenAI's finish reason for the ensemble's (empty while the request runs)."""
-    return {"": None, "stop": "stop", "length": "length"}.get(engine_reason, engine_reason)

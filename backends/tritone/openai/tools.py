@@ -3,7 +3,8 @@ it, and the parser that turns the generated text back into OpenAI `tool_calls`.
 
 Two syntaxes, as vLLM's parsers of the same names read them:
 - hermes: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`, one block per call
-  (Qwen 2.5 / 3, Hermes; and what the preprocessing renders for a template without tools);
+  (Qwen 2.5 / 3, Hermes; and what the preprocessing renders for a template without tools, from
+  the same tags: tritone.text.templates);
 - llama3_json: `{"name": ..., "parameters": {...}}` (Llama 3.1+), calls separated by `;`.
 """
 
@@ -14,12 +15,13 @@ import re
 import secrets
 from dataclasses import dataclass
 
+from tritone.text.templates import TOOL_CALL_CLOSE, TOOL_CALL_OPEN
+
 PARSERS = ("hermes", "llama3_json")
 # xgrammar's built-in structural tag of each syntax (tool call tags with the tools' parameter
 # schemas as their contents).
 _XGRAMMAR_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
-_HERMES_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
-_HERMES_OPEN = "<tool_call>"
+_HERMES_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
 def parser_for_template(chat_template) -> str:
@@ -132,7 +134,7 @@ class ToolStream:
             out, self.sent = self.text[self.sent:start], start
             return out
         # Keep back a tail that may be the beginning of the opening tag.
-        safe = len(self.text) - _partial_prefix(self.text, _HERMES_OPEN) if self.parser == "hermes" else len(self.text)
+        safe = len(self.text) - (_partial_prefix(self.text, TOOL_CALL_OPEN) if self.parser == "hermes" else 0)
         out, self.sent = self.text[self.sent:safe], max(self.sent, safe)
         return out
 
@@ -148,7 +150,7 @@ class ToolStream:
 
     def _call_start(self) -> int | None:
         if self.parser == "hermes":
-            i = self.text.find(_HERMES_OPEN, self.sent)
+            i = self.text.find(TOOL_CALL_OPEN, self.sent)
             return None if i < 0 else i
         stripped = self.text.lstrip()
         if self.sent == 0 and (stripped.startswith("{") or stripped.startswith("<|python_tag|>")):

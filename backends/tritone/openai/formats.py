@@ -1,0 +1,120 @@
+"""OpenAI's response bodies and stream chunks, made from the ensemble's chunks: completions and
+chat completions, whole or as server-sent events."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from tritone_client.client import Chunk
+
+from tritone.openai.tools import ToolCall, parse_tool_calls
+
+# The engine's finish reasons (tritone.scheduling.request.FinishReason, "" while the request runs)
+# as OpenAI's: stop and length are the same words; cancelled and error pass as they are.
+_OPENAI_FINISH_REASONS = {"": None, "stop": "stop", "length": "length"}
+
+
+def openai_finish_reason(engine_reason: str, called_tools: bool = False) -> str | None:
+    """OpenAI's finish reason for the engine's; an answer that stopped after calling tools
+    finished for tool_calls."""
+    reason = _OPENAI_FINISH_REASONS.get(engine_reason, engine_reason)
+    return "tool_calls" if called_tools and reason == "stop" else reason
+
+
+def sse(payload: dict | str) -> bytes:
+    """One server-sent event: a JSON body, or a bare word such as [DONE]."""
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()
+
+
+def _usage(chunk: Chunk) -> dict:
+    return {"prompt_tokens": chunk.num_input_tokens, "completion_tokens": chunk.num_output_tokens,
+            "total_tokens": chunk.num_input_tokens + chunk.num_output_tokens}
+
+
+@dataclass(slots=True)
+class ResponseFormat:
+    """The bodies of one answer: `whole` for a whole answer, or `start`, `delta`s (and
+    `tool_delta`), then `usage` for a stream."""
+
+    id: str
+    created: int
+    model: str
+    wants_logprobs: bool
+    # The tool-call syntax to parse the answer by (chat with tools), else None.
+    tool_parser: str | None = None
+    # Tool calls went out in the stream: its end finishes for tool_calls.
+    called_tools: bool = False
+
+    def _envelope(self, object_: str, choices: list, usage=None, with_usage_key: bool = False) -> dict:
+        """OpenAI's envelope; with include_usage, every chunk has a usage key (null but in the last)."""
+        body = {"id": self.id, "object": object_, "created": self.created, "model": self.model, "choices": choices}
+        if usage is not None or with_usage_key:
+            body["usage"] = usage
+        return body
+
+    def _finish_reason(self, chunk: Chunk) -> str | None:
+        return openai_finish_reason(chunk.finish_reason, self.called_tools)
+
+
+class CompletionFormat(ResponseFormat):
+    def _logprobs(self, values: list[float]):
+        # Only the chosen tokens' values: the ensemble returns no token ids to name them by.
+        return {"token_logprobs": values, "tokens": None, "top_logprobs": None, "text_offset": None} \
+            if self.wants_logprobs else None
+
+    def _choice(self, c: Chunk) -> dict:
+        return {"index": 0, "text": c.text, "logprobs": self._logprobs(c.output_log_probs),
+                "finish_reason": self._finish_reason(c)}
+
+    def whole(self, a: Chunk) -> dict:
+        return self._envelope("text_completion", [self._choice(a)], _usage(a))
+
+    def start(self, include_usage: bool) -> dict:
+        return self.delta(Chunk("", 0, 0, 0.0, [], ""), include_usage)
+
+    def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False) -> dict:
+        return self._envelope("text_completion", [self._choice(c)], _usage(c) if continuous_usage else None,
+                              include_usage)
+
+    def usage(self, last: Chunk) -> dict:
+        return self._envelope("text_completion", [], _usage(last))
+
+
+class ChatFormat(ResponseFormat):
+    def _logprobs(self, values: list[float]):
+        # Only the chosen tokens' values: the ensemble returns no token ids to name them by.
+        return {"content": [{"token": "", "logprob": v, "bytes": None, "top_logprobs": []} for v in values]} \
+            if self.wants_logprobs else None
+
+    def whole(self, a: Chunk) -> dict:
+        message = {"role": "assistant", "content": a.text}
+        called_tools = False
+        if self.tool_parser:
+            content, calls = parse_tool_calls(a.text, self.tool_parser)
+            if calls:
+                message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+                called_tools = True
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(a.output_log_probs),
+                  "finish_reason": openai_finish_reason(a.finish_reason, called_tools)}
+        return self._envelope("chat.completion", [choice], _usage(a))
+
+    def tool_delta(self, calls: list[ToolCall], include_usage: bool) -> dict:
+        # Each call whole in one delta: its id, name and all its arguments.
+        self.called_tools = True
+        choice = {"index": 0, "delta": {"tool_calls": [c.as_openai(i) for i, c in enumerate(calls)]},
+                  "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice], None, include_usage)
+
+    def start(self, include_usage: bool) -> dict:
+        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+        return self._envelope("chat.completion.chunk", [choice], with_usage_key=include_usage)
+
+    def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False) -> dict:
+        choice = {"index": 0, "delta": {"content": c.text} if c.text else {},
+                  "logprobs": self._logprobs(c.output_log_probs), "finish_reason": self._finish_reason(c)}
+        return self._envelope("chat.completion.chunk", [choice], _usage(c) if continuous_usage else None,
+                              include_usage)
+
+    def usage(self, last: Chunk) -> dict:
+        return self._envelope("chat.completion.chunk", [], _usage(last))

@@ -1,0 +1,223 @@
+"""tritone-openai's HTTP routes: OpenAI's completions, chat completions and models, behind the
+guard, over one Backend.
+
+Nothing of the server's own reaches a client: a refusal names the client's field, and a failure
+on the server's side is a generic message (the detail goes to the log).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import logging
+import secrets
+import time
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, StreamingResponse
+from starlette.exceptions import HTTPException
+
+from tritone_client.client import Chunk
+
+from tritone.openai.backend import Backend, Generation
+from tritone.openai.errors import RequestError, error_body
+from tritone.openai.formats import ChatFormat, CompletionFormat, ResponseFormat, sse
+from tritone.openai.guard import DEFAULT_MAX_BODY_BYTES, Guard
+from tritone.openai.protocol import ChatCompletionRequest, CompletionRequest
+from tritone.openai.tools import ToolStream
+
+logger = logging.getLogger("tritone.openai")
+
+
+class ClientGone(Exception):
+    """The client disconnected before its answer was ready."""
+
+
+class OpenAIServer:
+    """The routes, for one served model name, over one Backend."""
+
+    def __init__(self, backend_url: str, model_name: str, api_key: str | None = None, tool_parser: str = "hermes",
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, control_key: str | None = None):
+        self.backend_url, self.model_name, self.api_key = backend_url, model_name, api_key
+        self.tool_parser, self.control_key = tool_parser, control_key
+        self.backend: Backend | None = None
+        self.created = int(time.time())
+        # No generated docs: they would describe the server to anyone who asks, key or not.
+        self.app = FastAPI(title="tritone-openai", lifespan=self._lifespan, docs_url=None, redoc_url=None,
+                           openapi_url=None)
+        self.app.add_middleware(Guard, api_key=api_key, max_body_bytes=max_body_bytes)
+        _error_handlers(self.app)
+        self._routes()
+
+    async def _lifespan(self, app):
+        if not self.control_key:
+            logger.warning("TRITONE_CONTROL_KEY is not set: aborts of requests whose clients leave cannot reach "
+                           "the engine (they run on to max_tokens); set it to the server's control key")
+        self.backend = Backend(self.backend_url, self.control_key)
+        yield
+        await self.backend.close()
+
+    def _routes(self) -> None:
+        app = self.app
+
+        @app.get("/health")
+        async def health():
+            return {"status": "ok"}
+
+        @app.get("/v1/models")
+        async def models():
+            return {"object": "list", "data": [self._model_card()]}
+
+        @app.get("/v1/models/{name:path}")
+        async def model(name: str):
+            self._check_model(name)
+            return self._model_card()
+
+        @app.post("/v1/completions")
+        async def completions(body: CompletionRequest, request: Request):
+            return await self._serve(body, request, "cmpl", CompletionFormat)
+
+        @app.post("/v1/chat/completions")
+        async def chat(body: ChatCompletionRequest, request: Request):
+            return await self._serve(body, request, "chatcmpl", ChatFormat)
+
+    def _model_card(self) -> dict:
+        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tritone"}
+
+    def _check_model(self, name: str) -> None:
+        if name != self.model_name:
+            raise RequestError(f"model {name!r} does not exist: this server serves {self.model_name!r}", "model",
+                               status=404, type="not_found_error")
+
+    async def _serve(self, body, request: Request, prefix: str, format_cls: type[ResponseFormat]):
+        self._check_model(body.model)
+        body.check_supported()
+        calls_tools = getattr(body, "calls_tools", False)
+        fmt = format_cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), self.model_name, body.wants_logprobs,
+                         self.tool_parser if calls_tools else None)
+        inputs = body.ensemble_inputs()
+        if calls_tools:
+            body.tool_inputs(inputs, self.tool_parser)
+        guide = body.guide()
+        chunks = self.backend.generate(fmt.id, inputs, "tools" if calls_tools else guide and guide[0])
+        try:
+            if not body.stream:
+                return fmt.whole(await _unless_gone(request, chunks.whole()))
+            # The first response decides the status: an error before any token is an HTTP error.
+            first = await _unless_gone(request, chunks.__anext__())
+        except StopAsyncIteration:
+            raise RequestError("the server ended the stream without an answer", status=500, type="server_error")
+        except BaseException:
+            chunks.close()
+            raise
+        return StreamingResponse(_events(fmt, first, chunks, body.include_usage, body.continuous_usage),
+                                 media_type="text/event-stream")
+
+
+async def _events(fmt: ResponseFormat, first: Chunk, chunks: Generation, include_usage: bool,
+                  continuous_usage: bool):
+    # On a client's disconnect Starlette cancels this generator's task: close() then cancels the
+    # gRPC stream and aborts the request in the engine.
+    last = first
+    tools = ToolStream(fmt.tool_parser) if fmt.tool_parser else None
+    try:
+        yield sse(fmt.start(include_usage))
+        chunk = first
+        while True:
+            last = chunk
+            if tools is not None:
+                chunk = dataclasses.replace(chunk, text=tools.feed(chunk.text))
+                if chunk.finish_reason:
+                    rest, calls = tools.finish()
+                    chunk.text += rest
+                    if calls:
+                        if chunk.text:
+                            yield sse(fmt.delta(dataclasses.replace(chunk, finish_reason="", output_log_probs=[]),
+                                                include_usage))
+                        yield sse(fmt.tool_delta(calls, include_usage))
+                        chunk = dataclasses.replace(chunk, text="")
+            if chunk.text or chunk.output_log_probs or chunk.finish_reason:
+                yield sse(fmt.delta(chunk, include_usage, continuous_usage))
+            if chunk.finish_reason:
+                break
+            chunk = await chunks.__anext__()
+        await chunks.read_to_end()
+        if include_usage:
+            yield sse(fmt.usage(last))
+    except RequestError as exc:  # after the first response: reported in the stream
+        yield sse(error_body(exc.message, exc.type, exc.param))
+    except StopAsyncIteration:
+        pass
+    finally:
+        chunks.close()
+    yield sse("[DONE]")
+
+
+async def _unless_gone(request: Request, awaitable, poll_seconds: float = 0.2):
+    """The awaitable's result, unless the client disconnects first (ClientGone). Starlette
+    notices a disconnect by itself only once a streamed body is being sent; before that (a
+    request waiting in the engine's queue, a long prefill, a whole answer) it is looked for here."""
+    task = asyncio.ensure_future(awaitable)
+    try:
+        while True:
+            done, _ = await asyncio.wait({task}, timeout=poll_seconds)
+            if done:
+                return task.result()
+            if await request.is_disconnected():
+                raise ClientGone()
+    finally:
+        task.cancel()
+
+
+def _error_handlers(app: FastAPI) -> None:
+    """Every refusal and failure in OpenAI's error JSON."""
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_, exc: RequestValidationError):
+        first = exc.errors()[0]
+        if first.get("type") == "json_invalid":
+            position = (first.get("loc") or ("body", "?"))[-1]
+            message = f"the body is not valid JSON: {(first.get('ctx') or {}).get('error', first.get('msg'))} " \
+                      f"(at character {position})"
+            return _error_response(RequestError(message))
+        param = _param(first.get("loc", ()))
+        if first.get("type") == "extra_forbidden":
+            message = f"{param} is not a supported parameter"
+        else:
+            message = f"{param}: {first.get('msg')}" if param else str(first.get("msg"))
+        return _error_response(RequestError(message, param))
+
+    @app.exception_handler(HTTPException)
+    async def http_error(_, exc: HTTPException):
+        # Starlette's own refusals (no such route, a wrong method, a body that is not JSON text)
+        # in OpenAI's shape.
+        type = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type), status_code=exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def failed(request: Request, exc: Exception):
+        # The aim is that nothing gets here; what does is the server's fault, not the client's.
+        logger.exception("%s %s failed", request.method, request.url.path, exc_info=exc)
+        return JSONResponse(error_body("internal server error", "server_error"), status_code=500)
+
+    @app.exception_handler(ClientGone)
+    async def gone(_, exc: ClientGone):
+        return JSONResponse(error_body("client disconnected"), status_code=499)
+
+    @app.exception_handler(RequestError)
+    async def refused(_, exc: RequestError):
+        return _error_response(exc)
+
+
+def _error_response(exc: RequestError) -> JSONResponse:
+    return JSONResponse(error_body(exc.message, exc.type, exc.param), status_code=exc.status)
+
+
+def _param(loc) -> str | None:
+    """The field a validation error's location names, as the client wrote it: messages[0].role."""
+    parts = list(loc[1:] if loc and loc[0] == "body" else loc)
+    param = ""
+    for part in parts:
+        param += f"[{part}]" if isinstance(part, int) else (f".{part}" if param else str(part))
+    return param or None
