@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import pathlib
 import secrets
@@ -25,21 +24,10 @@ from tritone.launcher.repository import ENSEMBLE_MODELS, INLINE_MODELS, render_r
 from tritone.processes import die_with_parent, free_port
 from tritone.serving import flow
 from tritone.serving.inputs import CONTROL_KEY_ENV
+from tritone.text.templates import chat_template_text
 
 # tritonserver's own exit timeout, after the launcher's drain (Server.triton_exit_timeout).
 TRITON_EXIT_GRACE_SECONDS = 10
-
-
-def chat_template_text(model_dir: pathlib.Path) -> str:
-    """The model's chat template as written in its directory (empty where it has none)."""
-    jinja = model_dir / "chat_template.jinja"
-    if jinja.exists():
-        return jinja.read_text()
-    try:
-        template = json.loads((model_dir / "tokenizer_config.json").read_text()).get("chat_template") or ""
-    except (OSError, ValueError):
-        return ""
-    return template if isinstance(template, str) else json.dumps(template)
 
 
 class Server:
