@@ -48,3 +48,20 @@ def test_flash_varlen_is_only_tried_at_blocks_it_can_read():
     with pytest.raises(ValueError, match=r"--attention flash-varlen: .*multiple of 256 .*--block-size 256"):
         attention.select_backend(torch.device("cpu"), torch.float32, 4, 2, 16, 16, "flash-varlen")
     assert not any(b.name == "flash-varlen" for b in attention._cuda_candidates(16))
+
+
+def test_the_device_check_skips_each_section_without_a_gpu():
+    """scripts/gpu_check on a machine without CUDA: every section SKIPPED, exit 0."""
+    import pathlib
+    import subprocess
+    import sys
+
+    if torch.cuda.is_available():
+        pytest.skip("this machine has a GPU: scripts/gpu_check runs for real there")
+    script = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "gpu_check.py"
+    run = subprocess.run([sys.executable, str(script), "versions", "tensor_parallel"], capture_output=True, text=True,
+                         timeout=120)
+    assert run.returncode == 0, run.stdout + run.stderr
+    lines = run.stdout.splitlines()
+    assert [line.split()[:2] for line in lines[:2]] == [["SKIPPED", "versions"], ["SKIPPED", "tensor_parallel"]]
+    assert lines[-1].startswith("gpu_check: 0 passed, 0 failed, 2 skipped")

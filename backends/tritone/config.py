@@ -92,6 +92,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_cache_fraction", float, 0.25,
            "share of free memory (GPU) or available RAM (CPU) the KV cache takes when --kv-cache-bytes is 0",
            check=_fraction_problem),
+    Option("load_format", str, "auto", "auto: the checkpoint's safetensors; dummy: seeded random weights of the "
+           "checkpoint's shape, nothing read (for measuring a model shape from its config.json alone)",
+           choices=("auto", "dummy")),
     Option("enable_prefix_caching", bool, True,
            "reuse the KV of a prompt prefix computed for an earlier request", flag="--no-prefix-caching"),
     Option("seed", int, 0, "seed of the seeds drawn for requests that give none", minimum=0),

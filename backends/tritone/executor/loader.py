@@ -112,3 +112,16 @@ def _copy_shard(model, param: torch.Tensor, name: str, shard: int, tensor: torch
         param[:, start:start + sizes[shard]].copy_(tensor.t())
     else:
         param[start:start + sizes[shard]].copy_(tensor)
+
+
+def random_weights(model: LlamaForCausalLM, seed: int = 0) -> None:
+    """Fills every parameter with seeded random values in place, on the model's device: a model of
+    any shape measured without a checkpoint on disk (`load_format` dummy, as vLLM's). Norms are 1,
+    the rest small normals, so activations stay finite through any depth."""
+    gen = torch.Generator(device=model.embed_tokens.weight.device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "norm" in name:
+                param.fill_(1.0)
+            else:
+                param.normal_(0.0, 0.02, generator=gen)
