@@ -88,6 +88,10 @@ def parse_args(argv):
                    help="the peer engine's OpenMP threads (default 0: as many as Tritone's engine gets, "
                         "every core by default)")
     p.add_argument("--peer-args", default="", help="extra `vllm serve` options, quoted")
+    p.add_argument("--vllm-bench", action="store_true",
+                   help="with --peer vllm: also drive each stack through its OpenAI API with vLLM's own client, "
+                        "`vllm bench serve` (random prompts of --prompt-len, --output-len tokens, end of sequence "
+                        "ignored, 2 x concurrency prompts a level, 8 at concurrency 1)")
     p.add_argument("--structured", choices=["json-schema"],
                    help="also run each level with every request constrained to a JSON schema, and time the "
                         "first token of a new schema against a cached one")
@@ -109,8 +113,12 @@ def main(argv=None) -> int:
     factory = PromptFactory(AutoTokenizer.from_pretrained(model_dir))
     workload = Workload.fixed(factory, max(2 * max(args.concurrency + args.hf_batches), 8), args.prompt_len,
                               args.output_len)
-    results = {"config": vars(args), "tritone": {}, "peer": {}, "hf_generate": {},
-               "tritone_structured": {}, "peer_structured": {}}
+    if args.vllm_bench and not args.peer:
+        raise SystemExit("error: --vllm-bench needs --peer vllm (vLLM's client comes with its install)")
+    args.peer_python = peer_python
+    results = {"config": {k: v for k, v in vars(args).items() if k != "peer_python"}, "tritone": {}, "peer": {},
+               "hf_generate": {}, "tritone_structured": {}, "peer_structured": {}, "tritone_vllm_bench": {},
+               "peer_vllm_bench": {}}
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     results["tritone_dtype"] = str(dtype).removeprefix("torch.")
@@ -126,6 +134,9 @@ def main(argv=None) -> int:
     print("\n" + report.render("benchmark", results), flush=True)
     if results["peer"]:
         print(report.headline_table(results))
+    if results["peer_vllm_bench"]:
+        print("\nWith vLLM's own client (vllm bench serve), both through their OpenAI API\n"
+              + report.vllm_bench_table(results))
     if args.structured:
         print("\nEvery request constrained to one JSON schema, against the same run free\n"
               + report.structured_table(results))
@@ -171,13 +182,20 @@ def schema_ttft(make_sender, workload, tries: int = 3) -> dict:
 def run_tritone(args, model_dir, workload, results) -> None:
     from tritone.launcher import temporary_server
 
+    from tritone.processes import free_port
+
     options = ["--dtype", args.dtype, *args.server_args.split()] + (["--model", str(model_dir)] if args.model else [])
+    if args.vllm_bench:
+        options += ["--openai-port", str(free_port())]
     RUNS.mkdir(parents=True, exist_ok=True)
     with temporary_server(RUNS / "tritone-server.log", *options) as server:
         url = f"{server.args.host}:{server.args.grpc_port}"
         model = "llm_inline" if server.args.inline else "ensemble"
         run_levels(args, "Tritone", lambda schema: GrpcStreams(url, model, args.temperature, args.top_p, schema),
                    workload, results, "tritone", ServerMetrics.of(server), ProcessTree(server.process.pid))
+        if args.vllm_bench:
+            run_vllm_bench(args, "tritone", server.openai_url.removesuffix("/v1"), server.model_dir.name, model_dir,
+                           results)
 
 
 def run_peer(args, python, model_dir, workload, results) -> None:
@@ -207,8 +225,21 @@ def run_peer(args, python, model_dir, workload, results) -> None:
             return OpenAIStreams(f"{server.url}/v1", server.model_name, args.temperature, args.top_p, extra)
 
         run_levels(args, "vLLM", sender, workload, results, "peer", tree=ProcessTree(server.process.pid))
+        if args.vllm_bench:
+            run_vllm_bench(args, "peer", server.url, server.model_name, model_dir, results)
     finally:
         server.stop()
+
+
+def run_vllm_bench(args, stack: str, base_url: str, model_name: str, model_dir, results) -> None:
+    """Every level through `vllm bench serve`, into results[stack + "_vllm_bench"]."""
+    for c in args.concurrency:
+        result = peer.bench_serve(args.peer_python, base_url, model_name, model_dir, c, args.prompt_len,
+                                  args.output_len, 8 if c == 1 else 2 * c, RUNS, stack)
+        results[f"{stack}_vllm_bench"][c] = {key: result.get(key) for key in (
+            "completed", "output_throughput", "mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "mean_itl_ms")}
+        print(f"vllm bench serve against {stack}, concurrency {c}: {result.get('output_throughput', 0):.1f} tok/s, "
+              f"mean TPOT {result.get('mean_tpot_ms', 0):.1f} ms", flush=True)
 
 
 if __name__ == "__main__":

@@ -212,3 +212,20 @@ class VllmServer:
 
 if __name__ == "__main__":
     print(install())
+
+
+def bench_serve(python: pathlib.Path, base_url: str, model_name: str, tokenizer: pathlib.Path, concurrency: int,
+                input_len: int, output_len: int, num_prompts: int, result_dir: pathlib.Path, label: str) -> dict:
+    """vLLM's own client, `vllm bench serve`, against an OpenAI /v1/completions server (either
+    stack): random prompts of input_len tokens, output_len tokens each with end of sequence
+    ignored, at most `concurrency` in flight. Returns its saved result (output_throughput,
+    mean_tpot_ms, mean_ttft_ms, ...)."""
+    filename = f"vllm-bench-{label}-c{concurrency}.json"
+    command = [str(python.parent / "vllm"), "bench", "serve", "--backend", "openai", "--endpoint", "/v1/completions",
+               "--base-url", base_url, "--model", model_name, "--tokenizer", str(tokenizer),
+               "--dataset-name", "random", "--random-input-len", str(input_len),
+               "--random-output-len", str(output_len), "--ignore-eos", "--num-prompts", str(num_prompts),
+               "--max-concurrency", str(concurrency), "--disable-tqdm", "--save-result",
+               "--result-dir", str(result_dir), "--result-filename", filename]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL, timeout=3600)
+    return json.loads((result_dir / filename).read_text())

@@ -113,6 +113,20 @@ def headline_table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def vllm_bench_table(results: dict) -> str:
+    """Both stacks through their OpenAI API, measured by vLLM's own client (`vllm bench serve`)."""
+    tr, peer = results.get("tritone_vllm_bench") or {}, results.get("peer_vllm_bench") or {}
+    lines = ["| concurrency | vLLM tok/s | Tritone tok/s | Tritone/vLLM | mean TPOT vLLM / Tritone (ms) "
+             "| mean TTFT vLLM / Tritone (ms) |", "|---|---|---|---|---|---|"]
+    for c in _levels(tr, peer):
+        t, v = tr.get(c) or {}, peer.get(c) or {}
+        lines.append(f"| {c} | {_number(v.get('output_throughput'), '.1f')} | {_number(t.get('output_throughput'), '.1f')} "
+                     f"| {_ratio(t.get('output_throughput'), v.get('output_throughput'))} "
+                     f"| {_pair(v.get('mean_tpot_ms'), t.get('mean_tpot_ms'), '.1f')} "
+                     f"| {_pair(v.get('mean_ttft_ms'), t.get('mean_ttft_ms'), '.0f')} |")
+    return "\n".join(lines)
+
+
 def benchmark_tables(results: dict) -> str:
     """`scripts/benchmark`: every level of each stack, Tritone's engine steps by phase, and the CPU
     each process of each stack spends per output token (as the script prints them)."""
@@ -313,6 +327,8 @@ RENDERERS = {
     "structured": Renderer(structured_table,
                            produced_by="scripts/benchmark --structured json-schema --peer vllm --json SOURCE"),
     "headline": Renderer(headline_table, produced_by="scripts/benchmark --peer vllm --hf-batches --json SOURCE"),
+    "vllm-bench": Renderer(vllm_bench_table,
+                           produced_by="scripts/benchmark --peer vllm --vllm-bench --hf-batches --json SOURCE"),
     "benchmark": Renderer(benchmark_tables, produced_by="scripts/benchmark --peer vllm --hf-batches --json SOURCE"),
     "openai-throughput": Renderer(openai_throughput_table, produced_by="scripts/openai_throughput --json SOURCE"),
     "runs": Renderer(runs_table, produced_by="scripts/benchmark --json, once per run"),
