@@ -32,7 +32,7 @@ def tiny_path(tmp_path_factory):
 
 
 class FakeDevice:
-    """Replaces the runner's execute and finish_step; records what the engine launched."""
+    """Replaces the runner's forward (run_model) and finish_step; records what the engine launched."""
 
     def __init__(self, engine: LLMEngine):
         self.engine = engine
@@ -40,7 +40,7 @@ class FakeDevice:
         self.sampled = {}  # request id -> rows it sampled
         self.schedules_while_busy = 0
         self.schedules = 0
-        engine.runner.execute = self.execute
+        engine.runner.run_model = self.run_model
         engine.runner.finish_step = self.finish_step
         schedule = engine.scheduler.schedule
 
@@ -51,7 +51,7 @@ class FakeDevice:
 
         engine.scheduler.schedule = counting_schedule
 
-    def execute(self, model_input, greedy=False, prev=None):
+    def run_model(self, model_input, greedy=False, prev=None):
         ids, positions, logits_indices = model_input.ids.copy(), model_input.positions, model_input.logits_indices
         if prev is not None:
             ids[prev.dst] = prev.token_ids.numpy()[prev.src]
@@ -107,7 +107,7 @@ def run(path, mode: str, requests: list[tuple[int, list[int], SamplingParams]], 
                 reasons[out.request_id], counts[out.request_id] = out.finish_reason, out.num_output_tokens
         step += 1
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
-    assert not engine.requests
+    assert not engine.scheduler.requests
     return {k: (got[k], reasons[k], counts[k]) for k in got}, device
 
 

@@ -240,10 +240,10 @@ def test_a_failed_step_fails_every_request_frees_every_block_and_leaves_no_hash(
     engine = make_engine(model_dir)
     collector = Collector()
 
-    def broken_run(model_input, greedy=False, prev=None):
+    def broken_run(model_input, sampling, prev=None):
         raise RuntimeError("injected step fault")
 
-    monkeypatch.setattr(engine.runner, "execute", broken_run)
+    monkeypatch.setattr(engine.runner, "execute_model", broken_run)
     async_engine = start_async(engine, collector)
     long_ids = [str(i) for i in range(12, 16)]
     for rid in long_ids:
@@ -314,14 +314,14 @@ def test_a_dead_engine_thread_fails_its_requests_refuses_new_ones_and_is_reporte
     collector = Collector()
     started = threading.Event()
 
-    def broken_run(model_input, greedy=False, prev=None):
+    def broken_run(model_input, sampling, prev=None):
         started.wait()
         raise SystemExit(3) if fault.startswith("step") else RuntimeError("injected step fault")
 
     def broken_abort(*args, **kwargs):
         raise RuntimeError("injected abort fault")
 
-    monkeypatch.setattr(engine.runner, "execute", broken_run)
+    monkeypatch.setattr(engine.runner, "execute_model", broken_run)
     if not fault.startswith("step"):
         monkeypatch.setattr(engine, "abort_request", broken_abort)
     async_engine = start_async(engine, collector)
@@ -346,10 +346,10 @@ def test_an_add_that_raises_fails_that_request_alone(model_dir, prompt_ids, expe
     collector = Collector()
     real_add = engine.add_request
 
-    def add(request_id, ids, params):
+    def add(request_id, ids, params, **kwargs):
         if request_id == "bad":
             raise TypeError("injected add fault")
-        return real_add(request_id, ids, params)
+        return real_add(request_id, ids, params, **kwargs)
 
     monkeypatch.setattr(engine, "add_request", add)
     async_engine = start_async(engine, collector)

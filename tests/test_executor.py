@@ -109,8 +109,8 @@ def test_native_forward_logits_match_the_torch_modules(tiny):
         engine = LLMEngine(EngineConfig(model=str(path), dtype="float32", kv_cache_bytes=8 << 20, block_size=4,
                                         max_num_batched_tokens=24, forward=forward, compile="off"))
         steps = logits[forward] = []
-        execute = engine.runner.execute
-        engine.runner.execute = lambda *args: steps.append(execute(*args)) or steps[-1]
+        run_model = engine.runner.run_model
+        engine.runner.run_model = lambda *args: steps.append(run_model(*args)) or steps[-1]
         shared = prompts(1)[0] * 2  # the second request repeats the first's prompt: a prefix hit
         for i, ids in enumerate([shared, prompts(3)[2], shared + [7, 8, 9]]):
             # Log probabilities asked for: the step needs the logits, not only the greedy tokens.

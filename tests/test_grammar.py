@@ -114,8 +114,8 @@ def test_a_request_waiting_for_its_grammar_does_not_hold_back_the_queue(model_di
     deadline = time.monotonic() + 60
     while "free" not in finished and time.monotonic() < deadline:
         finished += [o.request_id for o in engine.step() if o.finished]
-    assert "free" in finished and "guided" in engine.requests
-    assert engine.requests["guided"].block_ids == []  # never admitted
+    assert "free" in finished and "guided" in engine.scheduler.requests
+    assert engine.scheduler.requests["guided"].block_ids == []  # never admitted
     engine.abort_request("guided")
     assert slow.cancelled()  # no one else waits for it: it never runs
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
@@ -155,7 +155,7 @@ def test_bad_guides_are_refused_naming_the_field_and_the_engine_goes_on(model_di
     engine = make_engine(model_dir)
     with pytest.raises(ValueError, match=re.escape(message)):
         engine.add_request("bad", chat_ids("Hi"), SamplingParams(max_tokens=4, guide=guide))
-    assert not engine.requests
+    assert not engine.scheduler.requests
 
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

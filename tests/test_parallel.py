@@ -106,6 +106,52 @@ def test_tp2_equals_tp1_on_the_default_model_with_uneven_heads(model_dir):
         engine.shutdown()
 
 
+# Sampled requests of every kind: seeded and not (the engine draws those seeds), penalties and bad
+# words (which read the output kept where sampling runs), min_tokens, top-k/p, min-p, log-probabilities.
+SAMPLED = [dict(temperature=0.8, seed=7), dict(temperature=1.0, top_k=20, top_p=0.9, repetition_penalty=1.3),
+           dict(temperature=0.7, min_p=0.1, presence_penalty=0.5, frequency_penalty=0.3, seed=11),
+           dict(bad_token_ids=[[5], [7, 9]], min_tokens=4, temperature=0.9, seed=5),
+           dict(temperature=1.2, seed=3, return_log_probs=True), dict(return_log_probs=True)]
+
+
+def run_sampled(engine: LLMEngine, items) -> dict[str, tuple[list[int], list[float]]]:
+    got: dict[str, tuple[list[int], list[float]]] = {}
+    step = 0
+    pending = list(enumerate(items))
+    while pending or engine.has_unfinished_requests():
+        for i, (at, ids, max_tokens) in [x for x in pending if x[1][0] <= step]:
+            engine.add_request(str(i), ids, SamplingParams(max_tokens=max_tokens, end_id=-1,
+                                                           **SAMPLED[i % len(SAMPLED)]))
+            got[str(i)] = ([], [])
+        pending = [x for x in pending if x[1][0] > step]
+        for out in engine.step():
+            assert out.error is None, out.error
+            got[out.request_id][0].extend(out.new_token_ids)
+            got[out.request_id][1].extend(out.new_log_probs)
+        step += 1
+    return got
+
+
+def test_sampling_in_a_worker_draws_what_it_draws_in_the_engines_process(tmp_path):
+    # The sampler runs where the logits are: in the engine's process at one rank, in the worker
+    # of a data-parallel engine. A request's tokens are the same either way.
+    path = build_tiny("llama3", tmp_path / "llama3")[1]
+    items = workload(384)
+    want = run_sampled(engine_of(path, num_threads=1), items)
+    assert any(len(set(tokens)) > 3 for tokens, _ in want.values())
+    engine = engine_of(path, num_threads=1, data_parallel_size=2)
+    try:
+        assert isinstance(engine.runner, RemoteRunner) and len(engine.runner.worker_pids) == 1
+        got = run_sampled(engine, items)
+    finally:
+        engine.shutdown()
+    assert {k: tokens for k, (tokens, _) in got.items()} == {k: tokens for k, (tokens, _) in want.items()}
+    for k, (_, log_probs) in got.items():
+        assert log_probs == pytest.approx(want[k][1], abs=1e-4)
+        if SAMPLED[int(k) % len(SAMPLED)].get("return_log_probs"):
+            assert log_probs and all(lp <= 0 for lp in log_probs) and any(lp < 0 for lp in log_probs)
+
+
 def test_sizes_that_cannot_run_are_refused_naming_the_flag(tmp_path):
     path = build_tiny("qwen2", tmp_path / "qwen2")[1]  # 4 query heads, 2 KV heads
     with pytest.raises(ValueError, match="--tensor-parallel-size 3: the model has 2 KV heads"):

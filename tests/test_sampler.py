@@ -12,17 +12,18 @@ from transformers.generation.logits_process import (
     LogitsProcessorList, MinNewTokensLengthLogitsProcessor, MinPLogitsWarper, NoBadWordsLogitsProcessor,
     RepetitionPenaltyLogitsProcessor, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper)
 
-from tritone.engine.sampler import Sampler, _mask_top_k_top_p_sorted, apply_bans, apply_penalties, needs_logits, warp
+from tritone.executor.sampler import Sampler, _mask_top_k_top_p_sorted, apply_bans, apply_penalties, needs_logits, warp
 from tritone.executor import kernels
-from tritone.scheduling.request import Request, SamplingParams
+from tritone.executor.sampling_state import SamplingState
+from tritone.scheduling.request import SamplingParams
 
 VOCAB = 64
 END_IDS = frozenset({2, 3})
 
 
 def request(prompt, output=(), seed=0, **params):
-    return Request("r", list(prompt), SamplingParams(max_tokens=100, **params), output_ids=list(output),
-                   generator=torch.Generator().manual_seed(seed), end_ids=END_IDS)
+    return SamplingState(SamplingParams(max_tokens=100, **params), list(prompt), torch.Generator().manual_seed(seed),
+                         END_IDS, output_ids=list(output))
 
 
 def random_logits(rows, seed=0):

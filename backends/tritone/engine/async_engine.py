@@ -107,8 +107,8 @@ class AsyncEngine:
         return self.dead is None and self._engine_thread.is_alive() and self._sender_thread.is_alive()
 
     def submit(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> None:
-        """Validates at once (raising ValueError naming the field) and enqueues; raises
-        RuntimeError when the engine is dead."""
+        """Validates at once (raising ValueError naming the field), the one check of the request,
+        and enqueues; raises RuntimeError when the engine is dead."""
         self.engine.validate(prompt_ids, params, num_queued=self._num_submitted - self._num_added)
         with self._lock:
             if self.dead is not None:
@@ -134,7 +134,7 @@ class AsyncEngine:
         try:
             while self._engine_iteration():
                 pass
-            outputs = [self.engine.abort_request(request_id) for request_id in list(self.engine.requests)]
+            outputs = [self.engine.abort_request(request_id) for request_id in list(self.engine.scheduler.requests)]
             self._outbox.put(outputs + self._refuse_inbox("the engine stopped before it took the request in"))
         except BaseException as exc:
             logger.exception("the engine thread died")
@@ -183,7 +183,7 @@ class AsyncEngine:
             return
         self._num_added += 1
         try:
-            self.engine.add_request(item.request_id, item.prompt_ids, item.params)
+            self.engine.add_request(item.request_id, item.prompt_ids, item.params, validated=True)
         except (ValueError, RuntimeError) as exc:  # refused: nothing of it entered the engine
             self._outbox.put([_error_output(item, str(exc))])
         except Exception as exc:
@@ -204,7 +204,7 @@ class AsyncEngine:
 
     def _fail_all(self, message: str) -> list[RequestOutput]:
         outputs = [self.engine.abort_request(request_id, FinishReason.ERROR, message)
-                   for request_id in list(self.engine.requests)]
+                   for request_id in list(self.engine.scheduler.requests)]
         self.engine.drop_in_flight()
         return outputs
 
@@ -214,14 +214,14 @@ class AsyncEngine:
         with self._lock:
             self.dead = message
         outputs = []
-        for request in list(self.engine.requests.values()):
+        for request in list(self.engine.scheduler.requests.values()):
             try:
                 self.engine.scheduler.finish(request, FinishReason.ERROR)
             except Exception:
                 logger.exception("freeing the blocks of request %s failed", request.request_id)
             outputs.append(RequestOutput(request.request_id, [], [], request.num_prompt_tokens,
                                          request.num_output_tokens, True, FinishReason.ERROR, error=message))
-        self.engine.requests.clear()
+        self.engine.scheduler.requests.clear()
         outputs += self._refuse_inbox(message)
         if send:
             flushed = _Flushed()

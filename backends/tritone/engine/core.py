@@ -1,57 +1,31 @@
-"""The engine core: schedule, run the model, sample, update, one step at a time (the threads that
-drive it are in tritone.engine.async_engine)."""
+"""The engine core: schedule, run and sample (the runner), update (the scheduler), one step at a
+time (the threads that drive it are in tritone.engine.async_engine)."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from transformers import GenerationConfig
 
 from tritone.config import EngineConfig
-from tritone.engine.sampler import Sampler, needs_logits
 from tritone.executor import make_runner
-from tritone.executor.step import PendingTokens
+from tritone.executor.base import Runner
+from tritone.executor.step import NewRequest, PendingTokens, SamplingInput
 from tritone.scheduling.block_manager import BlockManager
 from tritone.scheduling.grammar import Grammars
-from tritone.scheduling.request import PENDING_TOKEN, FinishReason, Request, RequestOutput, SamplingParams
-from tritone.scheduling.scheduler import Scheduler
+from tritone.scheduling.request import FinishReason, Request, RequestOutput, SamplingParams, request_output
+from tritone.scheduling.scheduler import LaunchedStep, Scheduler, SchedulerOutput
+from tritone.scheduling.stats import PHASES, EngineStats
 
+__all__ = ["PHASES", "EngineStats", "LLMEngine", "model_end_ids"]
 
-# Where a step's time goes, in order: the engine thread's phases, then the sender thread's
-# (building and sending the step's responses, which overlaps the next step).
-PHASES = ("schedule", "prepare", "forward", "sample", "update", "send")
 # A guided request waits this long at most for its grammar (compiled on another thread, behind
 # other requests' grammars): a guide that compiles for longer fails, naming the field.
 GUIDE_COMPILE_SECONDS = 60.0
-
-
-@dataclass(slots=True)
-class EngineStats:
-    """Running totals, read by the metrics reporter from another thread (plain ints and floats,
-    and lists it swaps out, so no lock is needed under the GIL)."""
-
-    num_steps: int = 0
-    # Seconds per phase (PHASES), summed over steps.
-    phase_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
-    # The engine thread's seconds waiting for work (no request running).
-    idle_seconds: float = 0.0
-    num_prompt_tokens: int = 0
-    num_generation_tokens: int = 0
-    time_to_first_token: list[float] = field(default_factory=list)
-    inter_token_latency: list[float] = field(default_factory=list)
-
-    @property
-    def forward_seconds(self) -> float:
-        return self.phase_seconds["forward"]
-
-    def take_latencies(self) -> tuple[list[float], list[float]]:
-        ttft, self.time_to_first_token = self.time_to_first_token, []
-        itl, self.inter_token_latency = self.inter_token_latency, []
-        return ttft, itl
 
 
 def model_end_ids(model_dir: str, hf_config) -> frozenset[int]:
@@ -74,22 +48,20 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, engine_index: int = 0):
         """`engine_index`: which of the data-parallel engines this is (its devices)."""
         self.config = config
-        self.runner = make_runner(config, engine_index)
+        self.runner: Runner = make_runner(config, engine_index)
         self.block_manager = BlockManager(self.runner.num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.block_manager, self.runner.max_model_len)
+        self.stats = EngineStats()
+        self.scheduler = Scheduler(config, self.block_manager, self.runner.max_model_len, self.stats)
         self.default_end_ids = model_end_ids(config.model, self.runner.hf_config)
         self.grammars = Grammars(config.model, self.vocab_size, list(self.default_end_ids))
-        self.sampler = Sampler(self.grammars)
         # Guided requests whose grammar is still compiling.
         self._compiling: list[Request] = []
-        self.requests: dict[str, Request] = {}
-        self.stats = EngineStats()
         self._seed_rng = torch.Generator().manual_seed(config.seed)
         # Overlap the host's work for step N + 1 with the device's for step N: where the device
         # runs asynchronously (CUDA), unless configured off; `on` elsewhere runs the same logic.
         self.async_scheduling = config.async_scheduling == "on" or (
             config.async_scheduling == "auto" and self.runner.device.type == "cuda")
-        self._in_flight: _InFlight | None = None
+        self._in_flight: LaunchedStep | None = None
 
     @property
     def vocab_size(self) -> int:
@@ -101,7 +73,8 @@ class LLMEngine:
 
     def validate(self, prompt_ids: list[int], params: SamplingParams, num_queued: int = 0) -> None:
         """Raises ValueError naming the field when the request can never be served, and
-        RuntimeError when the queue (waiting requests, plus `num_queued` not yet added) is full."""
+        RuntimeError when the queue (waiting requests, plus `num_queued` not yet added) is full.
+        Once per request, where it enters (AsyncEngine.submit, or add_request called directly)."""
         params.validate(self.vocab_size)
         if params.guide is not None:
             params.guide.check()
@@ -119,56 +92,49 @@ class LLMEngine:
         if self.config.max_queue_len and len(self.scheduler.waiting) + num_queued >= self.config.max_queue_len:
             raise RuntimeError("server busy: the request queue is full, retry later")
 
-    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams) -> Request:
-        self.validate(prompt_ids, params)
-        if request_id in self.requests:
-            raise ValueError(f"request id {request_id!r} is already in flight")
+    def add_request(self, request_id: str, prompt_ids: list[int], params: SamplingParams, *,
+                    validated: bool = False) -> Request:
+        """Adds a request; `validated`: the caller ran `validate` on it already."""
+        if not validated:
+            self.validate(prompt_ids, params)
         seed = params.seed
         if seed is None:
             seed = int(torch.randint(0, 2**62, (1,), generator=self._seed_rng))
-        # On the host whatever the device: a draw from it is no device sync.
-        generator = torch.Generator().manual_seed(seed)
         if params.end_id == -1:
             end_ids = frozenset()
         elif params.end_id is not None:
             end_ids = frozenset([params.end_id])
         else:
             end_ids = self.default_end_ids
-        request = Request(request_id, list(prompt_ids), params, arrival_time=time.monotonic(),
-                          generator=generator, end_ids=end_ids)
+        request = Request(request_id, list(prompt_ids), params, arrival_time=time.monotonic(), seed=seed,
+                          end_ids=end_ids)
+        self.scheduler.add(request)
         if params.guide is not None:
             request.grammar_future = self.grammars.compile(params.guide)
             self._compiling.append(request)
-        self.requests[request_id] = request
-        self.scheduler.add(request)
         return request
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.CANCELLED,
                       error: str | None = None) -> RequestOutput | None:
         """Ends a request that is still in the engine, freeing its blocks, and returns its final
         output (None for one that has finished already)."""
-        request = self.requests.pop(request_id, None)
+        request = self.scheduler.abort(request_id, reason)
         if request is None:
             return None
         future = request.grammar_future
         if future is not None and not any(r.grammar_future is future and not r.is_finished
                                           for r in self._compiling if r is not request):
             future.cancel()  # not started yet: no other request waits for it, so it never runs
-        self.scheduler.finish(request, reason)
-        output = self._output(request, [], [])
-        output.error = error
-        return output
+        return request_output(request, [], [], error)
 
     def shutdown(self) -> None:
-        """Stops the model's worker processes, where it has any."""
-        shutdown = getattr(self.runner, "shutdown", None)
-        if shutdown is not None:
-            shutdown()
+        """Stops the model's worker processes, where it has any, and the grammars' compile thread."""
+        self.runner.shutdown()
+        self.grammars.close()
 
     def has_unfinished_requests(self) -> bool:
         return self.scheduler.has_work or self._in_flight is not None
 
-    @torch.inference_mode()  # the runner's logits are inference tensors, and the sampler edits them
     def step(self) -> list[RequestOutput]:
         """Runs one step and returns its outputs. With async scheduling, it launches this step and
         returns the previous one's outputs: the device computes step N while the host schedules
@@ -178,8 +144,8 @@ class LLMEngine:
             launched = self._launch()
             return failed + self._collect(launched) if launched is not None else failed
         outputs = failed
-        if self._in_flight is not None and any(_reads_history(r) for r in self._in_flight.requests):
-            # Penalties and bad words read the tokens that are still on the device: take them first.
+        if self._in_flight is not None and any(r.matcher is not None for r in self._in_flight.requests):
+            # A grammar's mask for the next token needs the token in flight: take it first.
             outputs = outputs + self._collect(self._in_flight)
             self._in_flight = None
         launched = self._launch()
@@ -222,7 +188,7 @@ class LLMEngine:
         """Forgets the step in flight (after its requests were all aborted)."""
         self._in_flight = None
 
-    def _launch(self) -> "_InFlight | None":
+    def _launch(self) -> LaunchedStep | None:
         """Schedules, prepares and starts a step: its forward pass and sampling are queued on the
         device (done by return on CPU), its sampled tokens stand in each request's output as
         placeholders until `_collect`. A token still in flight from the step before enters this
@@ -231,44 +197,33 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return None
-        # Requests whose scheduled tokens reach their end sample a token; unfinished prompt
-        # chunks only fill the cache.
-        sample_rows = [i for i, s in enumerate(batch.scheduled)
-                       if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         t1 = time.perf_counter()
-        model_input = self.runner.prepare(batch, sample_rows)
+        model_input = self.runner.prepare(batch, batch.sample_rows)
         prev = self._pending_inputs(batch, model_input.query_start) if self._in_flight is not None else None
         t2 = time.perf_counter()
-        sample_requests = [batch.scheduled[i].request for i in sample_rows]
-        greedy = bool(sample_requests) and not needs_logits(sample_requests)
-        out = self.runner.execute(model_input, greedy, prev)
+        sampling = self._sampling_input(batch)
         t3 = time.perf_counter()
-        if greedy or not sample_requests:
-            token_ids, log_probs = out, None
-        else:
-            token_ids, log_probs = self.sampler.sample(out, sample_requests)
-        handle = self.runner.finish_step(token_ids, log_probs, len(sample_requests))
-        for item in batch.scheduled:
-            request, start = item.request, item.request.num_computed_tokens
-            self.stats.num_prompt_tokens += max(0, min(start + item.num_tokens, request.num_prompt_tokens) - start)
-            # Counted as computed now: whatever reads this KV runs after it on the device.
-            request.num_computed_tokens += item.num_tokens
-        indices = []
-        for request in sample_requests:
-            indices.append(len(request.output_ids))
-            request.output_ids.append(PENDING_TOKEN)
-            request.output_log_probs.append(0.0)
-            request.num_pending_tokens += 1
+        handle = self.runner.execute_model(model_input, sampling, prev)
         t4 = time.perf_counter()
+        launched = self.scheduler.launched(batch, handle)
         phases = self.stats.phase_seconds
         phases["schedule"] += t1 - t0
         phases["prepare"] += t2 - t1
-        phases["forward"] += t3 - t2
-        phases["sample"] += t4 - t3
-        return _InFlight(handle, batch.scheduled, sample_requests, indices,
-                         {id(r): row for row, r in enumerate(sample_requests)})
+        phases["forward"] += t4 - t3
+        phases["sample"] += t3 - t2 + time.perf_counter() - t4
+        return launched
 
-    def _pending_inputs(self, batch, query_start) -> PendingTokens | None:
+    def _sampling_input(self, batch: SchedulerOutput) -> SamplingInput:
+        """What the runner needs to sample the step: new requests' parameters (once), the ids it
+        may forget, each row's request, and guided rows' grammar masks."""
+        requests = [batch.scheduled[i].request for i in batch.sample_rows]
+        guided = [row for row, r in enumerate(requests) if r.matcher is not None]
+        new = [NewRequest(r.request_id, r.prompt_ids, dataclasses.replace(r.params, guide=None), r.seed, r.end_ids,
+                          r.params.guide is not None) for r in batch.new_requests]
+        bitmask = self.grammars.fill_bitmask([requests[row].matcher for row in guided]) if guided else None
+        return SamplingInput(batch.finished_ids, new, [r.request_id for r in requests], guided, bitmask)
+
+    def _pending_inputs(self, batch: SchedulerOutput, query_start) -> PendingTokens | None:
         """The step in flight's sampled tokens that are inputs of this step: for each request whose
         last token is still on the device."""
         row_of = self._in_flight.row_of
@@ -288,97 +243,14 @@ class LLMEngine:
         return PendingTokens(self._in_flight.handle.token_ids, np.asarray(src, dtype=np.int64),
                              np.asarray(dst, dtype=np.int64))
 
-    def _collect(self, launched: "_InFlight") -> list[RequestOutput]:
-        """Waits for a launched step's tokens and applies them: the one loop over a step's
-        sampled tokens (fill the placeholder, check stop conditions, finish)."""
+    def _collect(self, launched: LaunchedStep) -> list[RequestOutput]:
+        """Waits for a launched step's tokens and has the scheduler apply them."""
         t0 = time.perf_counter()
         token_ids, log_probs = launched.handle.result()
         t1 = time.perf_counter()
-        for item in launched.scheduled:
-            if not item.request.is_finished:
-                self.block_manager.cache_computed_blocks(item.request)  # its KV is written now
-        outputs = []
-        now = time.monotonic()
-        for request, index, token_id, log_prob in zip(launched.requests, launched.indices, token_ids, log_probs):
-            if request.is_finished:
-                continue  # aborted, or ended by its previous token: this one is dropped
-            request.num_pending_tokens -= 1
-            request.output_ids[index] = token_id
-            request.output_log_probs[index] = log_prob
-            # The matcher sees only tokens the engine keeps: nothing accepted is ever dropped,
-            # so it never rolls back.
-            if request.matcher is not None and not request.matcher.accept_token(token_id):
-                self.scheduler.finish(request, FinishReason.ERROR)
-                del request.output_ids[index:]
-                del request.output_log_probs[index:]
-                request.num_pending_tokens = 0
-                del self.requests[request.request_id]
-                output = self._output(request, [], [])
-                output.error = f"engine error: token {token_id} broke the request's grammar"
-                outputs.append(output)
-                continue
-            if request.first_token_time is None:
-                request.first_token_time = now
-                self.stats.time_to_first_token.append(now - request.arrival_time)
-            else:
-                self.stats.inter_token_latency.append(now - request.last_token_time)
-            request.last_token_time = now
-            self.stats.num_generation_tokens += 1
-            new_ids, new_lps = [token_id], [log_prob]
-            reason = self._stop_reason(request, index + 1)
-            if reason is not None:
-                # The end id is not part of the output (stop words are text-level, matched by
-                # the llm model's ResponseStream); a token launched after this one is dropped.
-                keep = index if reason == FinishReason.STOP else index + 1
-                if reason == FinishReason.STOP:
-                    new_ids, new_lps = [], []
-                del request.output_ids[keep:]
-                del request.output_log_probs[keep:]
-                request.num_pending_tokens = 0
-                self.scheduler.finish(request, reason)
-                del self.requests[request.request_id]
-            outputs.append(self._output(request, new_ids, new_lps))
+        outputs = self.scheduler.update_from_output(launched, token_ids, log_probs)
         t2 = time.perf_counter()
         self.stats.num_steps += 1
         self.stats.phase_seconds["forward"] += t1 - t0  # the device's time not hidden behind the host's
         self.stats.phase_seconds["update"] += t2 - t1
         return outputs
-
-    def _stop_reason(self, request: Request, num_output: int) -> FinishReason | None:
-        """Why the request ends at its output token number `num_output` (its last one resolved)."""
-        if num_output >= request.params.min_tokens and request.output_ids[num_output - 1] in request.end_ids:
-            return FinishReason.STOP
-        if request.matcher is not None and request.matcher.is_terminated():
-            return FinishReason.STOP  # the grammar is complete and its stop token taken
-        if num_output >= request.params.max_tokens:
-            return FinishReason.LENGTH
-        return None
-
-    def _output(self, request: Request, new_ids: list[int], new_lps: list[float]) -> RequestOutput:
-        return RequestOutput(
-            request_id=request.request_id,
-            new_token_ids=new_ids,
-            new_log_probs=new_lps,
-            num_prompt_tokens=request.num_prompt_tokens,
-            num_output_tokens=request.num_output_tokens,
-            finished=request.is_finished,
-            finish_reason=request.finish_reason,
-        )
-
-
-@dataclass(slots=True)
-class _InFlight:
-    """A launched step, until its tokens are collected."""
-
-    handle: object  # the runner's StepHandle: sampled ids on the device, and `result()`
-    scheduled: list
-    requests: list[Request]  # the requests that sample, in the handle's row order
-    indices: list[int]  # where each one's placeholder stands in its output_ids
-    row_of: dict[int, int]  # id(request) -> its row in the handle
-
-
-def _reads_history(request: Request) -> bool:
-    """Whether sampling the request reads its earlier output tokens (penalties, bad words)."""
-    p = request.params
-    return request.matcher is not None or bool(p.bad_token_ids) or p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 \
-        or p.frequency_penalty != 0.0

@@ -1,9 +1,11 @@
 """An engine's model in worker processes, one per tensor-parallel rank (worker.py), started and
-supervised from the engine's process, which keeps the scheduler, the sampler and the block manager.
+supervised from the engine's process, which keeps the scheduler and the block manager.
 
-Each step's inputs go to every rank once, pickled down its own socket; the ranks meet only in
-the forward's collectives (gloo on CPU, NCCL on CUDA), and the first rank writes the gathered
-logits, or the greedy tokens, into memory shared with this process and answers with their shape.
+Each step's inputs go to every rank once, pickled down its own socket, and its sampling (which
+request each row samples for, new requests' parameters once, grammar masks) to the first rank;
+the ranks meet only in the forward's collectives (gloo on CPU, NCCL on CUDA). The first rank
+samples where the gathered logits are and answers with the token ids and log-probabilities
+alone: no logits cross a process.
 Waiting for that answer, this process watches every rank's socket: a rank that dies closes it,
 and the step raises WorkerDied at once (no hang in a collective), after which the engine's
 requests end with an error and the engine restarts (tritone.engine.async_engine). A rank that
@@ -18,7 +20,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-import mmap
 import multiprocessing
 import os
 import pathlib
@@ -29,14 +30,12 @@ import tempfile
 from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 
-import numpy as np
 import torch
-from transformers import AutoConfig
 
 from tritone.config import EngineConfig
-from tritone.executor import block_table, hardware, llama, tensor_parallel
-from tritone.executor.runner import StepHandle, model_shard
-from tritone.executor.step import PendingTokens, StepInput
+from tritone.executor import hardware, tensor_parallel
+from tritone.executor.base import RunnerBase, check_splittable
+from tritone.executor.step import PendingTokens, SamplingInput, StepHandle, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -108,31 +107,19 @@ def placements(config: EngineConfig, engine: int) -> list[Placement]:
     return out
 
 
-class RemoteRunner:
-    """The runner interface of ModelRunner (prepare, execute, finish_step, num_blocks, ...), for an
-    engine whose model runs in worker processes."""
+class RemoteRunner(RunnerBase):
+    """The Runner (base.py) of an engine whose model runs in worker processes: rank 0 drives
+    (it samples and answers), the others follow."""
 
     def __init__(self, config: EngineConfig, engine: int = 0):
+        super().__init__(config)
         self.config, self.engine_index = config, engine
-        self.hf_config = AutoConfig.from_pretrained(config.model)
-        text_config = self.hf_config.get_text_config()
-        self.vocab_size = text_config.vocab_size
-        self.max_model_len = config.max_model_len or text_config.max_position_embeddings
-        self.block_size = config.block_size
-        tp = config.tensor_parallel_size
-        if tp > 1:
-            model_shard(self.hf_config, 0, tp)  # heads that do not split are refused here
-            reason = llama.unsupported_reason(text_config)
-            if reason is not None:
-                raise ValueError(f"{tensor_parallel.FLAG} {tp}: the Hugging Face fallback model ({reason}) runs "
-                                 "on one device only")
-        # The sampler reads the logits here, on the host.
+        check_splittable(self.hf_config, config.tensor_parallel_size)
+        # Sampled tokens come back to the host: the next step's inputs are patched here.
         self.device = torch.device("cpu")
-        self.block_rows = block_table.BlockTableRows(config.max_num_seqs, -(-self.max_model_len // self.block_size))
         self._procs: list[subprocess.Popen] = []
         self._rendezvous_dir: pathlib.Path | None = None
         self._conns: list = []
-        self._out: mmap.mmap | None = None
         self.dead: str | None = None
         self._start(placements(config, engine))
 
@@ -140,10 +127,6 @@ class RemoteRunner:
         config, tp = self.config, len(ranks)
         # The dtype is decided once, here, so that every rank runs the same one.
         dtype = self.dtype = hardware.resolve_dtype(config.dtype, hardware.resolve_device(ranks[0].device))
-        out_bytes = max(8, config.max_num_seqs * self.vocab_size * 4)
-        out_fd = os.memfd_create("tritone-step-output")
-        os.ftruncate(out_fd, out_bytes)
-        self._out = mmap.mmap(out_fd, out_bytes)
         # The ranks of a CPU engine share a region for their all-reduces and their logits' gather.
         shm_fd, shm_bytes = None, 0
         if tp > 1 and ranks[0].device == "cpu":
@@ -164,15 +147,12 @@ class RemoteRunner:
                                                     num_threads=place.num_threads)
                 spec = {"config": dataclasses.asdict(worker_config), "engine": self.engine_index, "rank": rank,
                         "size": tp, "init_method": init_method, "conn_fd": theirs.fileno(), "cpus": place.cpus,
-                        "out_fd": out_fd, "out_bytes": out_bytes, "parent": os.getpid(), "shm_fd": shm_fd,
-                        "shm_bytes": shm_bytes}
-                fds = (theirs.fileno(), out_fd) if rank == 0 else (theirs.fileno(),)
-                fds += (shm_fd,) if shm_fd is not None else ()
+                        "parent": os.getpid(), "shm_fd": shm_fd, "shm_bytes": shm_bytes}
+                fds = (theirs.fileno(),) + ((shm_fd,) if shm_fd is not None else ())
                 self._procs.append(subprocess.Popen([_python(), "-m", "tritone.executor.worker", json.dumps(spec)],
                                                     env=env, pass_fds=fds, stdin=subprocess.DEVNULL))
                 theirs.close()
                 self._conns.append(ours)
-            os.close(out_fd)
             if shm_fd is not None:
                 os.close(shm_fd)
             replies = [self._receive(conn, rank, "starting") for rank, conn in enumerate(self._conns)]
@@ -204,22 +184,18 @@ class RemoteRunner:
             return "still running"
         return f"killed by signal {-code}" if code < 0 else f"exit status {code}"
 
-    def prepare(self, batch, sample_rows: list[int]) -> StepInput:
-        return block_table.prepare_step(self.block_rows, self.block_size, batch, sample_rows)
-
-    def execute(self, step: StepInput, greedy: bool = False, prev: PendingTokens | None = None) -> torch.Tensor:
-        """As ModelRunner.execute: the ranks run the step; logits [rows, vocab] float32 (a view of the
-        shared memory, valid until the next step) or greedy tokens [rows] int64."""
+    def execute_model(self, step: StepInput, sampling: SamplingInput, prev: PendingTokens | None = None) -> StepHandle:
+        """As ModelRunner.execute_model: the ranks run the step, rank 0 samples it and answers with
+        the token ids and log-probabilities, here on the host when this returns."""
         if self.dead is not None:
             raise WorkerDied(self.dead)
         if prev is not None:  # the previous step's tokens are on the host here
-            ids = step.ids.copy()
-            ids[prev.dst] = prev.token_ids.cpu().numpy()[prev.src]
-            step = dataclasses.replace(step, ids=ids)
-        payload = bytes(ForkingPickler.dumps((step, greedy)))
+            step = dataclasses.replace(step, ids=prev.patch(step.ids))
+        follow = bytes(ForkingPickler.dumps((step, None)))
         try:
-            for conn in self._conns:
-                conn.send_bytes(payload)
+            self._conns[0].send_bytes(bytes(ForkingPickler.dumps((step, sampling))))
+            for conn in self._conns[1:]:
+                conn.send_bytes(follow)
             # The first rank answers; any other rank that speaks has failed, and one that died has
             # closed its socket: either wakes this wait.
             ready = wait(self._conns, timeout=STEP_TIMEOUT_SECONDS)
@@ -227,21 +203,17 @@ class RemoteRunner:
                 raise WorkerDied(f"model worker 0 of engine {self.engine_index} did not finish a step within "
                                  f"{STEP_TIMEOUT_SECONDS:.0f} s")
             for rank in sorted(self._conns.index(c) for c in ready):
-                shape = self._receive(self._conns[rank], rank, "running a step")
+                reply = self._receive(self._conns[rank], rank, "running a step")
                 if rank:
-                    raise WorkerDied(f"model worker {rank} of engine {self.engine_index} spoke out of turn: {shape}")
+                    raise WorkerDied(f"model worker {rank} of engine {self.engine_index} spoke out of turn: {reply}")
         except (WorkerDied, OSError) as exc:
             self.dead = str(exc) if isinstance(exc, WorkerDied) else f"a model worker's socket failed: {exc}"
             logger.error("engine %d: %s", self.engine_index, self.dead)
             self.shutdown(graceful=False)
             raise WorkerDied(self.dead) from None
-        count = int(np.prod(shape))
-        if greedy:
-            return torch.from_numpy(np.frombuffer(self._out, dtype=np.int64, count=count).copy())
-        return torch.frombuffer(self._out, dtype=torch.float32, count=count).view(*shape)
-
-    def finish_step(self, token_ids: torch.Tensor, log_probs: torch.Tensor | None, num_rows: int) -> StepHandle:
-        return StepHandle(token_ids, log_probs, num_rows)
+        _, token_ids, log_probs = reply
+        return StepHandle(torch.tensor(token_ids, dtype=torch.int64),
+                          torch.tensor(log_probs) if log_probs is not None else None, len(token_ids))
 
     @property
     def worker_pids(self) -> list[int]:

@@ -1,9 +1,9 @@
-"""Runs the model over a packed batch with the engine's paged KV cache.
+"""Runs the model over a packed batch with the engine's paged KV cache, and samples it.
 
 `ModelRunner.prepare(batch, sample_rows)` turns the scheduler's output into flat token ids,
 positions, a block table and a slot mapping (array work, one loop over the batch's requests);
-`execute` sets the attention metadata, runs the model and returns logits only at the rows that
-are sampled. The engine times the two apart.
+`execute_model` sets the attention metadata, runs the model, computes logits only at the rows
+that are sampled and samples them on the device (sampler.py), returning their token ids.
 """
 
 from __future__ import annotations
@@ -14,23 +14,17 @@ import time
 
 import numpy as np
 import torch
-from transformers import AutoConfig
 
 from tritone.config import EngineConfig
-from tritone.executor import attention, block_table, compiler, cuda_graphs, gemm, hardware, llama, native, \
-    tensor_parallel, verify
+from tritone.executor import attention, compiler, cuda_graphs, gemm, hardware, llama, native, tensor_parallel, verify
+from tritone.executor.base import RunnerBase, fallback_refused, kv_head_shape, model_shard
 from tritone.executor.kernels import argmax_rows
 from tritone.executor.loader import load_weights
-from tritone.executor.step import PendingTokens, StepInput
-from tritone.scheduling.scheduler import SchedulerOutput
+from tritone.executor.sampler import Sampler, needs_logits
+from tritone.executor.sampling_state import SamplingTable
+from tritone.executor.step import PendingTokens, SamplingInput, StepHandle, StepInput
 
 logger = logging.getLogger(__name__)
-
-
-def kv_head_shape(text_config) -> tuple[int, int]:
-    """(num_kv_heads, head_dim) of a checkpoint's attention: one row of its KV cache."""
-    head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // text_config.num_attention_heads
-    return getattr(text_config, "num_key_value_heads", None) or text_config.num_attention_heads, head_dim
 
 
 def kv_bytes_per_token(hf_config, dtype: torch.dtype) -> int:
@@ -44,15 +38,6 @@ def _available_bytes(device: torch.device) -> int:
         free, _ = torch.cuda.mem_get_info(device)
         return free
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def model_shard(hf_config, rank: int, size: int) -> tensor_parallel.Shard:
-    """What rank `rank` of `size` holds of the checkpoint's model (raises naming the flag where the
-    heads do not split)."""
-    text_config = hf_config.get_text_config()
-    num_kv_heads, _ = kv_head_shape(text_config)
-    return tensor_parallel.make_shard(rank, size, text_config.num_attention_heads, num_kv_heads,
-                                      text_config.intermediate_size, text_config.vocab_size)
 
 
 def num_kv_blocks(config: EngineConfig, hf_config, dtype: torch.dtype, device: torch.device,
@@ -99,8 +84,7 @@ def build_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.dev
             prepack_linears(model, dtype)
         return model.eval()
     if shard is not None and shard.size > 1:
-        raise ValueError(f"{tensor_parallel.FLAG} {shard.size}: the Hugging Face fallback model ({reason}) runs "
-                         "on one device only")
+        raise fallback_refused(reason, shard.size)
     from tritone.executor.hf import HFCausalLM
 
     logger.info("model definition: Hugging Face modules (%s)", reason)
@@ -122,48 +106,19 @@ def _weights_stamp(model_dir: str) -> list:
     return sorted((p.name, p.stat().st_size, p.stat().st_mtime_ns) for p in pathlib.Path(model_dir).glob("*.safetensors"))
 
 
-class StepHandle:
-    """A launched step's sampled ids and log-probabilities: on the device (where the next step's
-    inputs read them) and, once `result()` returns, on the host. On CUDA the copy to the host is
-    queued behind the step, so launching costs no wait."""
-
-    def __init__(self, token_ids: torch.Tensor | None, log_probs: torch.Tensor | None, num_rows: int):
-        self.token_ids, self.num_rows = token_ids, num_rows
-        self._event = None
-        self._host_ids, self._host_log_probs = token_ids, log_probs
-        if token_ids is not None and token_ids.is_cuda:
-            self._host_ids = torch.empty(token_ids.shape, dtype=token_ids.dtype, pin_memory=True)
-            self._host_ids.copy_(token_ids, non_blocking=True)
-            if log_probs is not None:
-                self._host_log_probs = torch.empty(log_probs.shape, dtype=log_probs.dtype, pin_memory=True)
-                self._host_log_probs.copy_(log_probs, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record()
-
-    def result(self) -> tuple[list[int], list[float]]:
-        if self._event is not None:
-            self._event.synchronize()
-        if self._host_ids is None:
-            return [], []
-        log_probs = self._host_log_probs.tolist() if self._host_log_probs is not None else [0.0] * self.num_rows
-        return self._host_ids.tolist(), log_probs
-
-
-class ModelRunner:
+class ModelRunner(RunnerBase):
     """The model on one device: the whole model, or one rank's part of it under tensor parallelism
-    (`group`: the ranks' collectives; `num_blocks`: the KV blocks the ranks agreed on)."""
+    (`group`: the ranks' collectives; `num_blocks`: the KV blocks the ranks agreed on). The first
+    rank samples; the others only join the forward's collectives."""
 
     def __init__(self, config: EngineConfig, group: tensor_parallel.Group | None = None, num_blocks: int = 0):
+        super().__init__(config)
         self.device = hardware.resolve_device(config.device)
         if self.device.type == "cpu":
             torch.set_num_threads(config.num_threads or os.cpu_count() or 1)
         self.dtype = hardware.resolve_dtype(config.dtype, self.device)
         torch.manual_seed(config.seed)
-        self.hf_config = AutoConfig.from_pretrained(config.model)
         text_config = self.hf_config.get_text_config()
-        self.vocab_size = text_config.vocab_size
-        self.max_model_len = config.max_model_len or text_config.max_position_embeddings
-        self.block_size = config.block_size
         self.group = group if group is not None and group.size > 1 else None
         shard = model_shard(self.hf_config, group.rank, group.size) if self.group is not None else None
         self.num_blocks = num_blocks or num_kv_blocks(config, self.hf_config, self.dtype, self.device, shard)
@@ -174,7 +129,7 @@ class ModelRunner:
             num_kv_heads = shard.kv_heads[1]
         # One slot past the last block takes the keys and values of the warm-up's tokens.
         self.spare_slot = self.num_blocks * self.block_size
-        self.block_rows = block_table.BlockTableRows(config.max_num_seqs, -(-self.max_model_len // self.block_size))
+        self.sampler, self.sampling = Sampler(), SamplingTable()
         self.kv_caches = [
             (torch.zeros(self.spare_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device),
              torch.zeros(self.spare_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
@@ -315,15 +270,29 @@ class ModelRunner:
         slots = np.full(num_tokens, self.spare_slot, dtype=np.int64)
         return StepInput(ids, positions, slots, tables, query_start, seq_lens, query_start[1:] - 1, 0)
 
-    def prepare(self, batch: SchedulerOutput, sample_rows: list[int]) -> StepInput:
-        """The model's inputs for the scheduled tokens, as arrays, for `execute`."""
-        return block_table.prepare_step(self.block_rows, self.block_size, batch, sample_rows)
+    @torch.inference_mode()  # the logits are inference tensors, and the sampler edits them
+    def execute_model(self, step: StepInput, sampling: SamplingInput | None,
+                      prev: PendingTokens | None = None) -> StepHandle:
+        """Computes the scheduled tokens and samples the rows `sampling.sample_ids`: their token ids
+        [rows] int64 (and log-probabilities where asked) on the device. A rank other than the first
+        gets no `sampling`: it only joins the forward's collectives."""
+        rows = self.sampling.begin_step(sampling) if sampling is not None else []
+        greedy = bool(rows) and not needs_logits(rows)
+        out = self.run_model(step, greedy, prev)
+        if out is None or not rows:  # a following rank, or a step that only fills the cache
+            return self.finish_step(None, None, 0)
+        if greedy:
+            token_ids, log_probs = out, None
+        else:
+            token_ids, log_probs = self.sampler.sample(out, rows, sampling.guided_rows, sampling.bitmask)
+        handle = self.finish_step(token_ids, log_probs, len(rows))
+        self.sampling.end_step(handle, rows)
+        return handle
 
-    def execute(self, step: StepInput, greedy: bool = False, prev: PendingTokens | None = None) -> torch.Tensor:
-        """Computes the scheduled tokens; returns logits [len(sample_rows), vocab] float32 at the
-        last scheduled token of each request `batch.scheduled[i]` for i in sample_rows, or where
-        `greedy`, those rows' greedy tokens [len(sample_rows)] int64 (the native forward then
-        never writes the logits). `prev`: the input tokens the host has not seen yet."""
+    def run_model(self, step: StepInput, greedy: bool = False, prev: PendingTokens | None = None) -> torch.Tensor | None:
+        """The forward pass: logits [len(sample_rows), vocab] float32 at the last scheduled token of
+        each sampled request, or where `greedy`, those rows' greedy tokens [len(sample_rows)] int64
+        (the native forward then never writes the logits); None on a rank other than the first."""
         if self.group is not None:
             # Each rank's logits over its slice of the vocabulary, side by side on the first rank,
             # which samples (the others return None).
@@ -337,7 +306,7 @@ class ModelRunner:
         logits = self._forward(step, prev)
         return argmax_rows(logits) if greedy else logits
 
-    def finish_step(self, token_ids: torch.Tensor, log_probs: torch.Tensor | None, num_rows: int) -> "StepHandle":
+    def finish_step(self, token_ids: torch.Tensor | None, log_probs: torch.Tensor | None, num_rows: int) -> StepHandle:
         return StepHandle(token_ids, log_probs, num_rows)
 
     @torch.inference_mode()
@@ -347,8 +316,7 @@ class ModelRunner:
             step.num_decodes
         if self.native is not None:
             if prev is not None:
-                ids = ids.copy()
-                ids[prev.dst] = prev.token_ids.cpu().numpy()[prev.src]
+                ids = prev.patch(ids)
             return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices, greedy)
         if self.graphs is not None and self.graphs.fits(len(seq_lens), num_decodes, tables.shape[1]):
             logits = self.graphs.run(ids, positions, slots, tables, seq_lens, prev)

@@ -2,9 +2,9 @@
 
 It builds its part of the model, then runs each step it is sent: every rank of an engine gets the
 step's inputs once, from the engine's process, and the ranks meet only in the forward pass's
-collectives. The first rank writes the gathered logits (or greedy tokens) into memory shared with
-the engine and answers with their shape. Any failure ends the process: the engine sees its
-connection close and restarts the engine's workers.
+collectives. The first rank also gets the step's sampling, samples the gathered logits and
+answers with the token ids and log-probabilities. Any failure ends the process: the engine sees
+its connection close and restarts the engine's workers.
 
 Run as `python -m tritone.executor.worker SPEC_JSON` by multiproc.RemoteRunner only.
 """
@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import json
 import logging
-import mmap
 import os
 import signal
 import sys
 from multiprocessing.connection import Connection
 
-import numpy as np
 import torch
 
 from tritone.processes import die_with_parent
@@ -41,7 +39,8 @@ def main(argv: list[str]) -> int:
 
     from tritone.config import EngineConfig
     from tritone.executor import hardware, tensor_parallel
-    from tritone.executor.runner import ModelRunner, model_shard, num_kv_blocks
+    from tritone.executor.base import model_shard
+    from tritone.executor.runner import ModelRunner, num_kv_blocks
 
     try:
         config = EngineConfig(**spec["config"])
@@ -65,9 +64,6 @@ def main(argv: list[str]) -> int:
         return 1
     conn.send(("ready", runner.num_blocks, str(runner.dtype).removeprefix("torch."),
                f"{runner.device}, {torch.get_num_threads()} threads" + (f" on CPUs {spec['cpus']}" if spec["cpus"] else "")))
-    out_map = None
-    if rank == 0:
-        out_map = mmap.mmap(spec["out_fd"], spec["out_bytes"])
     while True:
         try:
             message = conn.recv()
@@ -75,16 +71,11 @@ def main(argv: list[str]) -> int:
             return 0
         if message is None:
             return 0
-        step, greedy = message
+        step, sampling = message
         try:
-            with torch.inference_mode():
-                out = runner.execute(step, greedy)
+            handle = runner.execute_model(step, sampling)
             if rank == 0:
-                out = out.cpu().contiguous()
-                flat = np.frombuffer(out_map, dtype=np.float32 if out.dtype == torch.float32 else np.int64,
-                                     count=out.numel())
-                flat[:] = out.numpy().reshape(-1)
-                conn.send(tuple(out.shape))
+                conn.send(("done", *handle.result()))
         except Exception as exc:
             logger.exception("a step failed")
             try:

@@ -180,18 +180,27 @@ class Grammars:
     def matcher(self, compiled):
         return _xgrammar().GrammarMatcher(compiled, terminate_without_stop_token=False)
 
-    def apply(self, logits: torch.Tensor, matchers: list, rows: list[int]) -> None:
-        """Masks, in place, the logits rows `rows` [B, V] to the tokens their matchers allow next:
-        one bitmask fill for all of them and one masking operation."""
+    def fill_bitmask(self, matchers: list) -> torch.Tensor:
+        """The tokens each matcher allows next: a [len(matchers), words] int32 bitmask (xgrammar's
+        layout), filled in one call, for the runner to mask its logits with (apply_bitmask)."""
         xgr = _xgrammar()
-        batch = logits.shape[0]
-        if self._bitmask is None or self._bitmask.shape[0] < batch:
-            self._bitmask = xgr.allocate_token_bitmask(max(batch, 64), self.vocab_size)
+        if self._bitmask is None or self._bitmask.shape[0] < len(matchers):
+            self._bitmask = xgr.allocate_token_bitmask(max(len(matchers), 64), self.vocab_size)
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
-        bitmask = self._bitmask[:batch]
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, indices=rows)
-        xgr.apply_token_bitmask_inplace(logits, bitmask.to(logits.device, non_blocking=True),
-                                        vocab_size=min(self.vocab_size, logits.shape[1]), indices=rows)
+        bitmask = self._bitmask[:len(matchers)]
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        return bitmask.clone()
 
     def close(self) -> None:
+        """Stops the compile thread (a compile under way runs to its end): an engine that is
+        rebuilt after its workers died leaves no thread behind."""
         self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+    """Masks, in place, the logits rows `rows` [B, V] to the tokens that `bitmask` (one row per
+    entry of `rows`, from Grammars.fill_bitmask) allows: one masking operation."""
+    sub = logits[rows]
+    _xgrammar().apply_token_bitmask_inplace(sub, bitmask.to(logits.device, non_blocking=True),
+                                            vocab_size=min(logits.shape[1], bitmask.shape[1] * 32))
+    logits[rows] = sub

@@ -6,8 +6,6 @@ import enum
 import math
 from dataclasses import dataclass, field
 
-import torch
-
 from tritone.scheduling.grammar import Guide
 
 
@@ -114,7 +112,8 @@ class Request:
     # at blocks completed since (per-step work does not grow with the context).
     num_published_blocks: int = 0
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
+    # The seed of its random draws: its generator lives where it is sampled (the runner).
+    seed: int = 0
     end_ids: frozenset[int] = frozenset()
     first_token_time: float | None = None
     last_token_time: float = 0.0
@@ -127,6 +126,8 @@ class Request:
     # request until it is done), then its matcher, advanced by every token the engine keeps.
     grammar_future: object = None
     matcher: object = None
+    # Whether the runner has its sampling state (it gets it when the request is first scheduled).
+    in_runner: bool = False
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -166,3 +167,9 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     error: str | None = None
+
+
+def request_output(request: Request, new_ids: list[int], new_lps: list[float], error: str | None = None) -> RequestOutput:
+    return RequestOutput(request_id=request.request_id, new_token_ids=new_ids, new_log_probs=new_lps,
+                         num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
+                         finished=request.is_finished, finish_reason=request.finish_reason, error=error)

@@ -5,16 +5,24 @@ computes `min(num_tokens - num_computed_tokens, budget left)` tokens. Running re
 (FCFS); when blocks run out the newest running request is preempted by recompute; waiting
 requests are admitted in arrival order while blocks last and nobody was preempted this step
 (passing over guided requests whose grammar is still compiling).
+
+The scheduler owns each request's life, as vLLM's: `add`, `schedule()` (what to run), `launched`
+(what the runner was given), `update_from_output` (its tokens applied, stop checks, finishing)
+and `finish` (on every path, freeing the blocks); its `requests` table holds every request from
+`add` until it finishes.
 """
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from tritone.config import EngineConfig
 from tritone.scheduling.block_manager import BlockManager
-from tritone.scheduling.request import FinishReason, Request, RequestStatus
+from tritone.scheduling.request import PENDING_TOKEN, FinishReason, Request, RequestOutput, RequestStatus, \
+    request_output
+from tritone.scheduling.stats import EngineStats
 
 
 @dataclass(slots=True)
@@ -30,18 +38,33 @@ class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     # Requests that lost their blocks this step and will recompute.
     preempted: list[Request] = field(default_factory=list)
-
-    @property
-    def num_batched_tokens(self) -> int:
-        return sum(s.num_tokens for s in self.scheduled)
+    # Rows of `scheduled` whose tokens reach the request's end: they sample a token (unfinished
+    # prompt chunks only fill the cache).
+    sample_rows: list[int] = field(default_factory=list)
+    # Scheduled requests the runner has not met: it takes their sampling parameters once.
+    new_requests: list[Request] = field(default_factory=list)
+    # Requests that ended since the runner last heard: it may forget them.
+    finished_ids: list[str] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
         return not self.scheduled
 
 
+@dataclass(slots=True)
+class LaunchedStep:
+    """A step given to the runner, until its tokens are applied."""
+
+    handle: object  # the runner's StepHandle: sampled ids on the device, and `result()`
+    scheduled: list[ScheduledRequest]
+    requests: list[Request]  # the requests that sample, in the handle's row order
+    indices: list[int]  # where each one's placeholder stands in its output_ids
+    row_of: dict[int, int]  # id(request) -> its row in the handle
+
+
 class Scheduler:
-    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int):
+    def __init__(self, config: EngineConfig, block_manager: BlockManager, max_model_len: int,
+                 stats: EngineStats | None = None):
         self.max_num_seqs = config.max_num_seqs
         self.max_num_batched_tokens = config.max_num_batched_tokens
         self.max_model_len = max_model_len
@@ -49,12 +72,19 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_preemptions = 0
+        self.stats = stats if stats is not None else EngineStats()
+        # Every request from `add` until it finishes, by id.
+        self.requests: dict[str, Request] = {}
+        self._finished_ids: list[str] = []
 
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def add(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in flight")
+        self.requests[request.request_id] = request
         self.waiting.append(request)
 
     def schedule(self) -> SchedulerOutput:
@@ -85,12 +115,81 @@ class Scheduler:
         if not out.preempted:
             self._admit(out, budget)
         out.scheduled.sort(key=lambda s: s.num_tokens != 1)
+        out.sample_rows = [i for i, s in enumerate(out.scheduled)
+                           if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
+        out.new_requests = [s.request for s in out.scheduled if not s.request.in_runner]
+        out.finished_ids = list(self._finished_ids)
         return out
+
+    def launched(self, out: SchedulerOutput, handle) -> LaunchedStep:
+        """Records that the runner took the step: its tokens count as computed (whatever reads
+        their KV runs after them on the device), and each sampled token stands in its request's
+        output as a placeholder until `update_from_output`."""
+        for request in out.new_requests:
+            request.in_runner = True
+        del self._finished_ids[:len(out.finished_ids)]
+        for item in out.scheduled:
+            request, start = item.request, item.request.num_computed_tokens
+            self.stats.num_prompt_tokens += max(0, min(start + item.num_tokens, request.num_prompt_tokens) - start)
+            request.num_computed_tokens += item.num_tokens
+        requests = [out.scheduled[i].request for i in out.sample_rows]
+        indices = []
+        for request in requests:
+            indices.append(len(request.output_ids))
+            request.output_ids.append(PENDING_TOKEN)
+            request.output_log_probs.append(0.0)
+            request.num_pending_tokens += 1
+        return LaunchedStep(handle, out.scheduled, requests, indices, {id(r): row for row, r in enumerate(requests)})
+
+    def update_from_output(self, step: LaunchedStep, token_ids: list[int], log_probs: list[float]) -> list[RequestOutput]:
+        """Applies a launched step's tokens: the one loop over a step's sampled tokens (fill the
+        placeholder, advance the grammar, check stop conditions, finish)."""
+        for item in step.scheduled:
+            if not item.request.is_finished:
+                self.block_manager.cache_computed_blocks(item.request)  # its KV is written now
+        outputs = []
+        now = time.monotonic()
+        for request, index, token_id, log_prob in zip(step.requests, step.indices, token_ids, log_probs):
+            if request.is_finished:
+                continue  # aborted, or ended by its previous token: this one is dropped
+            request.num_pending_tokens -= 1
+            request.output_ids[index] = token_id
+            request.output_log_probs[index] = log_prob
+            # The matcher sees only tokens the engine keeps: nothing accepted is ever dropped,
+            # so it never rolls back.
+            if request.matcher is not None and not request.matcher.accept_token(token_id):
+                self._truncate(request, index)
+                self.finish(request, FinishReason.ERROR)
+                outputs.append(request_output(request, [], [],
+                                              f"engine error: token {token_id} broke the request's grammar"))
+                continue
+            self._record_latency(request, now)
+            new_ids, new_lps = [token_id], [log_prob]
+            reason = self._stop_reason(request, index + 1)
+            if reason is not None:
+                # The end id is not part of the output (stop words are text-level, matched by
+                # the llm model's ResponseStream); a token launched after this one is dropped.
+                if reason == FinishReason.STOP:
+                    new_ids, new_lps = [], []
+                self._truncate(request, index if reason == FinishReason.STOP else index + 1)
+                self.finish(request, reason)
+            outputs.append(request_output(request, new_ids, new_lps))
+        return outputs
+
+    def abort(self, request_id: str, reason: FinishReason) -> Request | None:
+        """Ends a request that is still here (None for one that has finished already)."""
+        request = self.requests.get(request_id)
+        if request is not None:
+            self.finish(request, reason)
+        return request
 
     def finish(self, request: Request, reason: FinishReason) -> None:
         """Ends a request on any path (done, stop, cancel, error) and frees its blocks."""
         if request.is_finished:
             return
+        if self.requests.get(request.request_id) is request:
+            del self.requests[request.request_id]
+            self._finished_ids.append(request.request_id)
         if request.status == RequestStatus.RUNNING:
             self.running.remove(request)
         elif request in self.waiting:
@@ -98,6 +197,32 @@ class Scheduler:
         self.block_manager.free(request)
         request.status = RequestStatus.FINISHED
         request.finish_reason = reason
+
+    @staticmethod
+    def _truncate(request: Request, keep: int) -> None:
+        del request.output_ids[keep:]
+        del request.output_log_probs[keep:]
+        request.num_pending_tokens = 0
+
+    def _record_latency(self, request: Request, now: float) -> None:
+        if request.first_token_time is None:
+            request.first_token_time = now
+            self.stats.time_to_first_token.append(now - request.arrival_time)
+        else:
+            self.stats.inter_token_latency.append(now - request.last_token_time)
+        request.last_token_time = now
+        self.stats.num_generation_tokens += 1
+
+    @staticmethod
+    def _stop_reason(request: Request, num_output: int) -> FinishReason | None:
+        """Why the request ends at its output token number `num_output` (its last one resolved)."""
+        if num_output >= request.params.min_tokens and request.output_ids[num_output - 1] in request.end_ids:
+            return FinishReason.STOP
+        if request.matcher is not None and request.matcher.is_terminated():
+            return FinishReason.STOP  # the grammar is complete and its stop token taken
+        if num_output >= request.params.max_tokens:
+            return FinishReason.LENGTH
+        return None
 
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         # A guided request whose grammar is still compiling keeps its place in the queue without

@@ -89,11 +89,12 @@ def _model_context(model_dir: str) -> int:
     """The model's own context length, so that an over-long prompt fails here, naming its field."""
     from transformers import AutoConfig
 
+    from tritone.model_limits import context_length
+
     try:
-        config = AutoConfig.from_pretrained(model_dir).get_text_config()
+        return context_length(AutoConfig.from_pretrained(model_dir))
     except (OSError, ValueError):
         return 0
-    return int(getattr(config, "max_position_embeddings", 0) or 0)
 
 
 class Postprocessor:

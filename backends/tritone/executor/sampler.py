@@ -1,9 +1,11 @@
 """Vectorized sampling with per-request parameters and per-request random streams.
 
+It runs where the logits are (the runner, in the first worker under tensor parallelism), on
+each request's SamplingState, so that only token ids and log-probabilities leave the runner.
 Each sampled request draws one uniform per step from its own generator, inverted through its
 row's distribution, so a seeded request yields the same tokens whatever else shares the batch.
-Guided requests' logits are first masked to what their grammars allow
-(tritone.scheduling.grammar). The transforms then follow Hugging Face's logits processors, in the
+Guided requests' logits are first masked to what their grammars allow (a bitmask filled by
+tritone.scheduling.grammar in the engine's process). The transforms then follow Hugging Face's logits processors, in the
 order `generate` applies them: repetition penalty (over prompt and output tokens), presence and
 frequency penalties (output tokens, as in vLLM), bad words and min_tokens bans; then, for sampled
 rows, temperature, top-k, top-p over what top-k kept, min-p.
@@ -14,12 +16,13 @@ from __future__ import annotations
 import torch
 
 from tritone.executor.kernels import argmax_rows, sample_rows, top_p_rows
-from tritone.scheduling.request import Request
+from tritone.executor.sampling_state import SamplingState
+from tritone.scheduling.grammar import apply_bitmask
 
 _NEG_INF = float("-inf")
 
 
-def banned_token_ids(request: Request) -> list[int]:
+def banned_token_ids(request: SamplingState) -> list[int]:
     """Tokens that would complete a bad-word sequence, or end the output before min_tokens."""
     banned = []
     num_tokens = request.num_tokens
@@ -29,41 +32,38 @@ def banned_token_ids(request: Request) -> list[int]:
         if n == 0 or (n <= num_tokens and request.tokens_slice(num_tokens - n, num_tokens) == list(seq[:-1])):
             banned.append(seq[-1])
     # A guided request ends where its grammar does (its mask then leaves only the stop tokens).
-    if len(request.output_ids) < request.params.min_tokens and request.matcher is None:
+    if request.num_output < request.params.min_tokens and not request.is_guided:
         banned.extend(request.end_ids)
     return banned
 
 
-def needs_logits(requests: list[Request]) -> bool:
+def needs_logits(requests: list[SamplingState]) -> bool:
     """False where every request takes the plain greedy token: no penalty, ban, sampling or log
     probabilities, so that the argmax of the raw logits is the answer and the runner may skip
     writing them."""
     for r in requests:
         p = r.params
-        if (r.matcher is not None or not p.is_greedy or p.return_log_probs or _has_penalty(r) or p.bad_token_ids
-                or (len(r.output_ids) < p.min_tokens and r.end_ids)):
+        if (r.is_guided or not p.is_greedy or p.return_log_probs or _has_penalty(r) or p.bad_token_ids
+                or (r.num_output < p.min_tokens and r.end_ids)):
             return True
     return False
 
 
 class Sampler:
-    def __init__(self, grammars=None):
-        # tritone.scheduling.grammar.Grammars: masks the logits of guided requests.
-        self.grammars = grammars
-
-    def __call__(self, logits: torch.Tensor, requests: list[Request]) -> tuple[list[int], list[float]]:
+    def __call__(self, logits: torch.Tensor, requests: list[SamplingState]) -> tuple[list[int], list[float]]:
         """Returns one token id per row of `logits` [B, V] and its log-probability (under the
         distribution after penalties and bans, before temperature, top-k, top-p and min-p)."""
         token_ids, log_probs = self.sample(logits, requests)
         return token_ids.tolist(), log_probs.tolist() if log_probs is not None else [0.0] * len(requests)
 
-    def sample(self, logits: torch.Tensor, requests: list[Request]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def sample(self, logits: torch.Tensor, requests: list[SamplingState], guided_rows: list[int] = (),
+               bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As `__call__`, as tensors on the logits' device: [B] int64 ids, and [B] float32
-        log-probabilities where a request asked for them (else None)."""
+        log-probabilities where a request asked for them (else None). `bitmask`: the tokens that
+        the rows `guided_rows` may take."""
         logits = logits.float()
-        guided = [i for i, r in enumerate(requests) if r.matcher is not None]
-        if guided:
-            self.grammars.apply(logits, [requests[i].matcher for i in guided], guided)
+        if guided_rows:
+            apply_bitmask(logits, list(guided_rows), bitmask)
         apply_penalties(logits, requests)
         apply_bans(logits, requests)
         greedy = torch.tensor([r.params.is_greedy for r in requests])
@@ -77,7 +77,7 @@ class Sampler:
             log_probs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).flatten()
         return token_ids, log_probs
 
-    def _sample(self, logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+    def _sample(self, logits: torch.Tensor, requests: list[SamplingState]) -> torch.Tensor:
         # One uniform per row from the request's own generator, inverted through the row's
         # distribution (kernels.sample_rows): a seeded request draws the same whatever else
         # shares the batch. Rows without top-k, top-p or min-p skip `warp` and its sorting;
@@ -96,7 +96,7 @@ class Sampler:
         return sample_rows(logits, inv_temperature, u)
 
 
-def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
+def apply_penalties(logits: torch.Tensor, requests: list[SamplingState]) -> None:
     """In place: repetition penalty on every token seen in the prompt or the output (as Hugging
     Face and vLLM), then frequency and presence penalties on output tokens (as vLLM)."""
     rows = [i for i, r in enumerate(requests) if _has_penalty(r)]
@@ -122,14 +122,14 @@ def apply_penalties(logits: torch.Tensor, requests: list[Request]) -> None:
     logits[rows] = sub - freq * counts - pres * in_output.float()
 
 
-def apply_bans(logits: torch.Tensor, requests: list[Request]) -> None:
+def apply_bans(logits: torch.Tensor, requests: list[SamplingState]) -> None:
     for i, request in enumerate(requests):
         banned = banned_token_ids(request)
         if banned:
             logits[i, banned] = _NEG_INF
 
 
-def warp(logits: torch.Tensor, requests: list[Request]) -> torch.Tensor:
+def warp(logits: torch.Tensor, requests: list[SamplingState]) -> torch.Tensor:
     """Temperature, top-k, top-p, min-p, as Hugging Face's warpers in that order: the logits
     a sampled row draws from, with the removed tokens at -inf."""
     device = logits.device
@@ -150,7 +150,7 @@ def _warps(params) -> bool:
     return bool(params.top_k) or params.top_p < 1.0 or params.min_p > 0.0
 
 
-def _has_penalty(request: Request) -> bool:
+def _has_penalty(request: SamplingState) -> bool:
     p = request.params
     return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
