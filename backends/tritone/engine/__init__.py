@@ -1,2 +1,2 @@
-"""The engine: the step loop (`core`: schedule, run the model, sample, update), the sampler, and
-the threads that drive the loop (`async_engine`). Nothing here knows about Triton."""
+"""The engine: the step loop (`core`: schedule, run and sample, update), and the threads that
+drive the loop (`async_engine`). Nothing here knows about Triton."""

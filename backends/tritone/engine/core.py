@@ -12,8 +12,7 @@ import torch
 from transformers import GenerationConfig
 
 from tritone.config import EngineConfig
-from tritone.executor import make_runner
-from tritone.executor.base import Runner
+from tritone.executor import Runner, make_runner
 from tritone.executor.step import NewRequest, PendingTokens, SamplingInput
 from tritone.scheduling.block_manager import BlockManager
 from tritone.scheduling.grammar import Grammars
