@@ -72,6 +72,27 @@ def test_guided_rows_follow_their_grammar_batched_with_free_rows_which_are_uncha
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_guided_rows_sampled_in_a_worker_draw_what_they_draw_in_the_engines_process(model_dir, tokenizer, chat_ids):
+    # The grammars' masks are filled in the engine's process and go with the step to the worker
+    # that samples (a data-parallel engine's), beside the free rows.
+    prompts = [chat_ids(q) for q in ("Describe a person.", "What is your phone number?", "Tell me about Paris.")]
+    guides = [GUIDES[0], GUIDES[1], None]
+
+    def params(i):
+        return SamplingParams(max_tokens=32, guide=guides[i], temperature=0.9, seed=i)
+
+    want = run_staggered(make_engine(model_dir, num_threads=1), prompts, params, every=1)
+    engine = make_engine(model_dir, num_threads=1, data_parallel_size=2)
+    try:
+        got = run_staggered(engine, prompts, params, every=1)
+    finally:
+        engine.shutdown()
+    assert got == want
+    for guide, ids in zip(guides, got):
+        if guide is not None:
+            check(guide.type, tokenizer.decode(ids))
+
+
 def test_guided_requests_keep_their_grammar_through_preemption(model_dir, tokenizer, chat_ids):
     per_token = kv_bytes_per_token(AutoConfig.from_pretrained(model_dir), torch.float32)
     engine = make_engine(model_dir, block_size=4, kv_cache_bytes=40 * 4 * per_token)

@@ -13,6 +13,7 @@ rows, temperature, top-k, top-p over what top-k kept, min-p.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from tritone.executor.kernels import argmax_rows, sample_rows, top_p_rows
@@ -57,7 +58,7 @@ class Sampler:
         return token_ids.tolist(), log_probs.tolist() if log_probs is not None else [0.0] * len(requests)
 
     def sample(self, logits: torch.Tensor, requests: list[SamplingState], guided_rows: list[int] = (),
-               bitmask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+               bitmask: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
         """As `__call__`, as tensors on the logits' device: [B] int64 ids, and [B] float32
         log-probabilities where a request asked for them (else None). `bitmask`: the tokens that
         the rows `guided_rows` may take."""

@@ -48,9 +48,9 @@ class SamplingInput:
     # Row r of the step's logits samples for request sample_ids[r].
     sample_ids: list[str] = field(default_factory=list)
     # Rows of sample_ids that a grammar constrains, and their allowed tokens ([rows, words] int32
-    # bitmask, xgrammar's layout), or None.
+    # bitmask, xgrammar's layout; a host array, as every input here), or None.
     guided_rows: list[int] = field(default_factory=list)
-    bitmask: torch.Tensor | None = None
+    bitmask: np.ndarray | None = None
 
 
 @dataclass(slots=True)

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 logger = logging.getLogger(__name__)
@@ -180,7 +181,7 @@ class Grammars:
     def matcher(self, compiled):
         return _xgrammar().GrammarMatcher(compiled, terminate_without_stop_token=False)
 
-    def fill_bitmask(self, matchers: list) -> torch.Tensor:
+    def fill_bitmask(self, matchers: list) -> np.ndarray:
         """The tokens each matcher allows next: a [len(matchers), words] int32 bitmask (xgrammar's
         layout), filled in one call, for the runner to mask its logits with (apply_bitmask)."""
         xgr = _xgrammar()
@@ -189,7 +190,7 @@ class Grammars:
             self._batch = xgr.BatchGrammarMatcher(max_threads=1)
         bitmask = self._bitmask[:len(matchers)]
         self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
-        return bitmask.clone()
+        return bitmask.numpy().copy()
 
     def close(self) -> None:
         """Stops the compile thread (a compile under way runs to its end): an engine that is
@@ -197,10 +198,10 @@ class Grammars:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: torch.Tensor) -> None:
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray) -> None:
     """Masks, in place, the logits rows `rows` [B, V] to the tokens that `bitmask` (one row per
     entry of `rows`, from Grammars.fill_bitmask) allows: one masking operation."""
     sub = logits[rows]
-    _xgrammar().apply_token_bitmask_inplace(sub, bitmask.to(logits.device, non_blocking=True),
+    _xgrammar().apply_token_bitmask_inplace(sub, torch.from_numpy(bitmask).to(logits.device, non_blocking=True),
                                             vocab_size=min(logits.shape[1], bitmask.shape[1] * 32))
     logits[rows] = sub
