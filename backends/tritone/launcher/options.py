@@ -49,6 +49,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="auto", choices=["auto", "hermes", "llama3_json"],
                    help="the model's tool-call syntax for tritone-openai (default auto: from the chat template; "
                         "hermes where it names none)")
+    p.add_argument("--reasoning-parser", default=None, choices=["deepseek_r1", "qwen3"],
+                   help="the model's thinking syntax: tritone-openai's chat answers then carry the thinking as "
+                        "reasoning_content apart from the content (default none: off)")
     p.add_argument("--malloc", default="auto",
                    help="memory allocator of tritonserver and its model processes, preloaded: auto (the first "
                         "found of mimalloc, jemalloc, tcmalloc; else the C library's), mimalloc, jemalloc, "

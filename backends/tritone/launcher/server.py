@@ -112,6 +112,8 @@ class Server:
         command = [sys.executable, "-m", "tritone.openai", "--grpc-url", f"{grpc_host}:{a.grpc_port}",
                    "--host", a.host, "--port", str(a.openai_port), "--model-name", self.model_dir.name,
                    "--tool-call-parser", parser, "--max-body-bytes", str(self.max_body_bytes)]
+        if getattr(a, "reasoning_parser", None):
+            command += ["--reasoning-parser", a.reasoning_parser]
         self.frontend = subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
                                          start_new_session=True, preexec_fn=die_with_parent)
 

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from tritone_client.client import Chunk
 
 from tritone.openai.tools import ToolCall, parse_tool_calls
+from tritone.text import reasoning
 
 # The engine's finish reasons (tritone.scheduling.request.FinishReason, "" while the request runs)
 # as OpenAI's: stop and length are the same words; cancelled and error pass as they are.
@@ -45,6 +46,8 @@ class ResponseFormat:
     tool_parser: str | None = None
     # Tool calls went out in the stream: its end finishes for tool_calls.
     called_tools: bool = False
+    # The thinking syntax to take the reasoning apart by (chat with --reasoning-parser), else None.
+    reasoning_parser: str | None = None
 
     def _envelope(self, object_: str, choices: list, usage=None, with_usage_key: bool = False) -> dict:
         """OpenAI's envelope; with include_usage, every chunk has a usage key (null but in the last)."""
@@ -73,7 +76,8 @@ class CompletionFormat(ResponseFormat):
     def start(self, include_usage: bool) -> dict:
         return self.delta(Chunk("", 0, 0, 0.0, [], ""), include_usage)
 
-    def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False) -> dict:
+    def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False, reasoning: str = "") -> dict:
+        # No reasoning_content in completions: as in vLLM, only chat is split (`reasoning` stays "").
         return self._envelope("text_completion", [self._choice(c)], _usage(c) if continuous_usage else None,
                               include_usage)
 
@@ -89,11 +93,14 @@ class ChatFormat(ResponseFormat):
 
     def whole(self, a: Chunk) -> dict:
         message = {"role": "assistant", "content": a.text}
+        if self.reasoning_parser:  # vLLM's field, null where the model did not think
+            thought, message["content"] = reasoning.split(self.reasoning_parser, a.text)
+            message["reasoning_content"] = thought
         called_tools = False
-        if self.tool_parser:
-            content, calls = parse_tool_calls(a.text, self.tool_parser)
+        if self.tool_parser and message["content"]:  # the calls are in the answer, not in the thinking
+            content, calls = parse_tool_calls(message["content"], self.tool_parser)
             if calls:
-                message = {"role": "assistant", "content": content, "tool_calls": [c.as_openai() for c in calls]}
+                message |= {"content": content, "tool_calls": [c.as_openai() for c in calls]}
                 called_tools = True
         choice = {"index": 0, "message": message, "logprobs": self._logprobs(a.output_log_probs),
                   "finish_reason": openai_finish_reason(a.finish_reason, called_tools)}
@@ -110,8 +117,12 @@ class ChatFormat(ResponseFormat):
         choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice], with_usage_key=include_usage)
 
-    def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False) -> dict:
-        choice = {"index": 0, "delta": {"content": c.text} if c.text else {},
+    def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False, reasoning: str = "") -> dict:
+        """A chunk's content delta, after its `reasoning` piece where it has one."""
+        delta = {"reasoning_content": reasoning} if reasoning else {}
+        if c.text:
+            delta["content"] = c.text
+        choice = {"index": 0, "delta": delta,
                   "logprobs": self._logprobs(c.output_log_probs), "finish_reason": self._finish_reason(c)}
         return self._envelope("chat.completion.chunk", [choice], _usage(c) if continuous_usage else None,
                               include_usage)

@@ -57,3 +57,35 @@ def guide_text(field: str, kind: str, value) -> tuple[str, str]:
     if not isinstance(value, str) or not value:
         raise RequestError(f"{field} must be a non-empty string", field)
     return kind, value
+
+
+# The newlines a model writes between </think> and its answer, which the reasoning parser takes
+# as neither part: the answer's grammar starts after them.
+_THINK_ENDS = ["</think>", "</think>\n", "</think>\n\n"]
+
+
+def constrain_after_reasoning(inputs: dict[str, np.ndarray], parser: str, field: str) -> None:
+    """With a reasoning parser, a request's guide (the ensemble inputs' own, from `field`) is made
+    to constrain only the answer, as vLLM does: a structural tag of free text up to `</think>`
+    (deepseek_r1: the template opened the thinking; qwen3: a `<think>` block the model may leave
+    out), then the guide. Unlike vLLM, the model cannot end while it thinks: end of sequence is
+    allowed only where the guide is complete."""
+    from tritone.scheduling.grammar import Guide, GuideError
+
+    guide_type = inputs["guided_decoding_guide_type"][0][0].decode()
+    text = inputs["guided_decoding_guide"][0][0].decode() if "guided_decoding_guide" in inputs else ""
+    try:
+        # Checked here, with the engine's own checks, so that an error names the client's field
+        # rather than the structural tag it becomes.
+        grammar = Guide(guide_type, text).check()
+    except GuideError as exc:
+        message = str(exc).removeprefix("guided_decoding_guide_type").removeprefix("guided_decoding_guide")
+        raise RequestError(field + message, field) from None
+    # A structural tag nests as it is (xgrammar's older form, without "format", as its grammar).
+    answer = (json.loads(text) if guide_type == "structural_tag" else {}).get("format") \
+        or {"type": "grammar", "grammar": str(grammar)}
+    thinking = {"type": "tag", "begin": "", "content": {"type": "any_text"}, "end": _THINK_ENDS}
+    if parser == "qwen3":
+        thinking = {"type": "optional", "content": {**thinking, "begin": "<think>"}}
+    tag = {"type": "structural_tag", "format": {"type": "sequence", "elements": [thinking, answer]}}
+    add_guide(inputs, "structural_tag", json.dumps(tag))

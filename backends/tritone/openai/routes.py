@@ -24,8 +24,10 @@ from tritone.openai.backend import Backend, Generation
 from tritone.openai.errors import RequestError, error_body
 from tritone.openai.formats import ChatFormat, CompletionFormat, ResponseFormat, sse
 from tritone.openai.guard import DEFAULT_MAX_BODY_BYTES, Guard
+from tritone.openai.guides import constrain_after_reasoning
 from tritone.openai.protocol import ChatCompletionRequest, CompletionRequest
 from tritone.openai.tools import ToolStream
+from tritone.text.reasoning import ReasoningStream
 
 logger = logging.getLogger("tritone.openai")
 
@@ -38,9 +40,12 @@ class OpenAIServer:
     """The routes, for one served model name, over one Backend."""
 
     def __init__(self, backend_url: str, model_name: str, api_key: str | None = None, tool_parser: str = "hermes",
-                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, control_key: str | None = None):
+                 max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, control_key: str | None = None,
+                 reasoning_parser: str | None = None):
         self.backend_url, self.model_name, self.api_key = backend_url, model_name, api_key
         self.tool_parser, self.control_key = tool_parser, control_key
+        # Chat answers are split into reasoning_content and content by it (None: not split).
+        self.reasoning_parser = reasoning_parser
         self.backend: Backend | None = None
         self.created = int(time.time())
         # No generated docs: they would describe the server to anyone who asks, key or not.
@@ -95,11 +100,14 @@ class OpenAIServer:
         body.check_supported()
         calls_tools = getattr(body, "calls_tools", False)
         fmt = format_cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), self.model_name, body.wants_logprobs,
-                         self.tool_parser if calls_tools else None)
+                         self.tool_parser if calls_tools else None,
+                         reasoning_parser=self.reasoning_parser if format_cls is ChatFormat else None)
         inputs = body.ensemble_inputs()
         if calls_tools:
             body.tool_inputs(inputs, self.tool_parser)
         guide = body.guide()
+        if fmt.reasoning_parser and "guided_decoding_guide_type" in inputs:
+            constrain_after_reasoning(inputs, fmt.reasoning_parser, "tools" if calls_tools else guide[0])
         chunks = self.backend.generate(fmt.id, inputs, "tools" if calls_tools else guide and guide[0])
         try:
             if not body.stream:
@@ -121,24 +129,29 @@ async def _events(fmt: ResponseFormat, first: Chunk, chunks: Generation, include
     # gRPC stream and aborts the request in the engine.
     last = first
     tools = ToolStream(fmt.tool_parser) if fmt.tool_parser else None
+    reasoning = ReasoningStream(fmt.reasoning_parser) if fmt.reasoning_parser else None
     try:
         yield sse(fmt.start(include_usage))
         chunk = first
         while True:
             last = chunk
+            thought = ""
+            if reasoning is not None:  # from here on the chunk's text is its content only
+                thought, chunk = _reasoning_piece(reasoning, chunk)
             if tools is not None:
                 chunk = dataclasses.replace(chunk, text=tools.feed(chunk.text))
                 if chunk.finish_reason:
                     rest, calls = tools.finish()
                     chunk.text += rest
                     if calls:
-                        if chunk.text:
+                        if chunk.text or thought:
                             yield sse(fmt.delta(dataclasses.replace(chunk, finish_reason="", output_log_probs=[]),
-                                                include_usage))
+                                                include_usage, reasoning=thought))
+                            thought = ""
                         yield sse(fmt.tool_delta(calls, include_usage))
                         chunk = dataclasses.replace(chunk, text="")
-            if chunk.text or chunk.output_log_probs or chunk.finish_reason:
-                yield sse(fmt.delta(chunk, include_usage, continuous_usage))
+            if chunk.text or thought or chunk.output_log_probs or chunk.finish_reason:
+                yield sse(fmt.delta(chunk, include_usage, continuous_usage, reasoning=thought))
             if chunk.finish_reason:
                 break
             chunk = await chunks.__anext__()
@@ -152,6 +165,16 @@ async def _events(fmt: ResponseFormat, first: Chunk, chunks: Generation, include
     finally:
         chunks.close()
     yield sse("[DONE]")
+
+
+def _reasoning_piece(stream: ReasoningStream, chunk: Chunk) -> tuple[str, Chunk]:
+    """(the chunk's reasoning piece, the chunk with its content piece as its text); what the
+    stream held back comes out with the final chunk."""
+    thought, text = stream.feed(chunk.text)
+    if chunk.finish_reason:
+        rest_thought, rest_text = stream.finish()
+        thought, text = thought + rest_thought, text + rest_text
+    return thought, dataclasses.replace(chunk, text=text)
 
 
 async def _unless_gone(request: Request, awaitable, poll_seconds: float = 0.2):

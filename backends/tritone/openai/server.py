@@ -16,6 +16,7 @@ import sys
 from tritone.openai.guard import DEFAULT_MAX_BODY_BYTES
 from tritone.openai.routes import OpenAIServer
 from tritone.openai.tools import PARSERS
+from tritone.text import reasoning
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--tool-call-parser", default="hermes", choices=PARSERS,
                    help="the model's tool-call syntax (default hermes: <tool_call> blocks, as Qwen 2.5 / 3 write "
                         "them; llama3_json: Llama 3.x JSON); scripts/serve picks it from the chat template")
+    p.add_argument("--reasoning-parser", default=None, choices=reasoning.PARSERS,
+                   help="the model's thinking syntax (deepseek_r1: the chat template opens <think>; qwen3: the model "
+                        "opens it, or does not think): chat answers carry the thinking as reasoning_content, apart "
+                        "from the content (default none: the whole text is content)")
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"refuse a request body larger than this with 413, before reading it "
                         f"(default {DEFAULT_MAX_BODY_BYTES}: 4 MiB)")
@@ -51,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level.upper(), format="tritone-openai: %(message)s")
     # The control key by environment only, out of the process list.
     server = OpenAIServer(args.grpc_url, args.model_name, args.api_key, args.tool_call_parser,
-                          max_body_bytes=args.max_body_bytes,
+                          max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
                           control_key=os.environ.get("TRITONE_CONTROL_KEY") or None)
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
