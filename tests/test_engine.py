@@ -264,6 +264,30 @@ def test_a_failed_step_fails_every_request_frees_every_block_and_leaves_no_hash(
     assert async_engine.dead is None and not collector.fatal
 
 
+def test_a_sticky_device_error_is_fatal_so_that_the_process_restarts(model_dir, prompt_ids, monkeypatch):
+    """A CUDA error such as an illegal address fails every later step on its context: rather than
+    fail requests one step at a time forever, the engine dies and says so (on_fatal ends the llm
+    model's process, and the launcher restarts the server)."""
+    engine = make_engine(model_dir)
+    collector = Collector()
+
+    def lost(model_input, sampling, prev=None):
+        raise RuntimeError("CUDA error: an illegal memory access was encountered")
+
+    monkeypatch.setattr(engine.runner, "execute_model", lost)
+    async_engine = start_async(engine, collector)
+    async_engine.submit("a", prompt_ids[0], SamplingParams(max_tokens=MAX_TOKENS))
+    collector.wait_final("a")
+    (final,) = collector.finals("a")
+    assert final.finish_reason == FinishReason.ERROR and "illegal memory access" in final.error
+    deadline = time.monotonic() + 10
+    while not collector.fatal and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert collector.fatal and "the process must restart" in collector.fatal[0]
+    with pytest.raises(RuntimeError, match="the engine is not running"):
+        async_engine.submit("b", prompt_ids[1], SamplingParams(max_tokens=MAX_TOKENS))
+
+
 def test_the_engine_is_built_on_its_own_thread_and_what_building_raised_is_raised(model_dir, prompt_ids, expected):
     from tritone.engine.async_engine import AsyncEngine
 

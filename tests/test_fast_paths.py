@@ -19,19 +19,24 @@ from tritone.scheduling.request import SamplingParams
 
 MAX_TOKENS = 16
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
-# (forward, compile, dtype): every path; the native bf16 forward where its GEMM runs (AVX512-BF16).
-PATHS = [("native", "off", "float32"), ("native", "off", "bfloat16"), ("torch", "off", "float32"),
-         ("torch", "on", "float32"), ("torch", "off", "bfloat16"), ("torch", "on", "bfloat16")]
+# (forward, compile, dtype[, gemm]): every path; the native bf16 forward where its GEMM runs
+# (AVX512-BF16), and on AMX tiles where the CPU has them.
+PATHS = [("native", "off", "float32"), ("native", "off", "bfloat16"), ("native", "off", "bfloat16", "amx"),
+         ("torch", "off", "float32"), ("torch", "on", "float32"), ("torch", "off", "bfloat16"),
+         ("torch", "on", "bfloat16")]
 
 
 def path_id(path):
-    forward, mode, dtype = path
-    return f"{forward}-{'compiled' if mode == 'on' else 'eager'}-{dtype}" if forward == "torch" else f"native-{dtype}"
+    forward, mode, dtype, *gemm = path
+    name = f"{forward}-{'compiled' if mode == 'on' else 'eager'}-{dtype}" if forward == "torch" else f"native-{dtype}"
+    return "-".join([name, *gemm])
 
 
-def skip_unrunnable(forward, dtype):
+def skip_unrunnable(forward, dtype, gemm="auto"):
     if forward == "native" and dtype == "bfloat16" and not kernels.bf16_gemm_supported():
         pytest.skip("the native bf16 forward needs a CPU with AVX512-BF16")
+    if gemm == "amx" and not kernels.amx_gemm_supported():
+        pytest.skip("this CPU has no AMX-BF16 (or Linux denied this process the AMX tiles)")
 
 
 def make_engine(model_dir, forward, mode, dtype, **overrides):
@@ -72,8 +77,10 @@ def path_engine(request, model_dir):
     Module-scoped and parametrized, so pytest runs each path's tests together and frees its engine
     (about a gigabyte) before the next path's is built."""
     path = request.param
-    skip_unrunnable(path[0], path[2])
-    engine = make_engine(model_dir, *path)
+    skip_unrunnable(path[0], path[2], *path[3:])
+    engine = make_engine(model_dir, *path[:3], **({"gemm": path[3]} if len(path) > 3 else {}))
+    if len(path) > 3:  # the kernel asked for is the one that serves, in the native forward too
+        assert engine.runner.native.model.bf16 == 2
     yield path, engine
     engine.shutdown()
 

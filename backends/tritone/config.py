@@ -90,8 +90,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("kv_cache_bytes", int, 0, "KV cache budget in bytes, the server's in all (0: --kv-cache-fraction)",
            minimum=0),
     Option("kv_cache_fraction", float, 0.25,
-           "share of free memory (GPU) or available RAM (CPU) the KV cache takes when --kv-cache-bytes is 0",
+           "share of the available RAM the KV cache takes on a CPU when --kv-cache-bytes is 0",
            check=_fraction_problem),
+    Option("gpu_memory_utilization", float, 0.9,
+           "share of a GPU's total memory the server may hold: the KV cache gets what the weights and a profiled "
+           "step at --max-num-batched-tokens leave of it (when --kv-cache-bytes is 0)", check=_fraction_problem),
     Option("load_format", str, "auto", "auto: the checkpoint's safetensors; dummy: seeded random weights of the "
            "checkpoint's shape, nothing read (for measuring a model shape from its config.json alone)",
            choices=("auto", "dummy")),

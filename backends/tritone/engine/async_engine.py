@@ -39,6 +39,23 @@ class _Flushed:
     event: threading.Event = field(default_factory=threading.Event)
 
 
+# Errors a CUDA context does not come back from (torch raises them as AcceleratorError, or, in
+# older paths, as a RuntimeError with the driver's text).
+_FATAL_DEVICE_TEXT = ("CUDA error", "CUBLAS_STATUS", "cuDNN error", "NCCL error", "illegal memory access",
+                      "device-side assert")
+
+
+class DeviceLost(RuntimeError):
+    """The device failed in a way this process cannot recover from."""
+
+
+def is_device_fatal(exc: BaseException) -> bool:
+    """Whether `exc` leaves the device unusable for this process."""
+    if type(exc).__name__ == "AcceleratorError":
+        return True
+    return isinstance(exc, RuntimeError) and any(text in str(exc) for text in _FATAL_DEVICE_TEXT)
+
+
 class AsyncEngine:
     """Runs an LLMEngine in its own thread: callers submit and abort from any thread, and
     outputs go to `on_output` from a separate sender thread, so sending never holds up a step.
@@ -138,7 +155,7 @@ class AsyncEngine:
             self._outbox.put(outputs + self._refuse_inbox("the engine stopped before it took the request in"))
         except BaseException as exc:
             logger.exception("the engine thread died")
-            self._die(f"engine thread died: {exc!r}", send=True)
+            self._die(str(exc) if isinstance(exc, DeviceLost) else f"engine thread died: {exc!r}", send=True)
 
     def _engine_iteration(self) -> bool:
         """One drain of the inbox and one step; False once asked to stop."""
@@ -152,6 +169,11 @@ class AsyncEngine:
             return True
         except Exception as exc:  # a failed step fails its requests, not the server
             logger.exception("engine step failed")
+            if is_device_fatal(exc):
+                # A CUDA error such as an illegal address is sticky: every later step on this
+                # context fails too. Only a new process recovers, so the engine dies (the llm model
+                # then ends its process and the launcher restarts the server).
+                raise DeviceLost(f"device error, the process must restart: {exc}") from exc
             outputs = self._fail_all(f"engine error: {exc}")
         if outputs:
             self._outbox.put(outputs)

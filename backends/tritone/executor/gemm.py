@@ -205,9 +205,13 @@ def _cost(times: dict) -> float:
     return times["1"] + times[str(_BATCH_ROWS)]
 
 
-def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path) -> dict[tuple[int, int], str]:
+def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path, only: str | None = None
+           ) -> dict[tuple[int, int], str]:
     """For each (in, out) shape, the fastest kernel that passed its checks: measured, cached in
-    `cache_path`, logged (with every candidate dropped and why)."""
+    `cache_path`, logged (with every candidate dropped and why). `only`: the one kernel asked for
+    (--gemm), which must run and pass its checks here for every shape, or the start is refused."""
+    if only is not None:
+        return _only(shapes, dtype, only)
     # The checks' version and the candidates: a kernel added here is measured, not left out.
     key = f"{dtype} checked-v2 {'/'.join(available(dtype))}"
     try:
@@ -246,6 +250,28 @@ def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path) -> dict
                 ", ".join(f"{k}x{n} {c}" + (f" ({_gflops(k, n, 1, t['1'])}/{_gflops(k, n, _BATCH_ROWS, t[str(_BATCH_ROWS)])})"
                                             if (t := table[f"{k}x{n}"].get(c)) else "")
                           for (k, n), c in sorted(choice.items())))
+    return choice
+
+
+def _only(shapes: set[tuple[int, int]], dtype: torch.dtype, kernel: str) -> dict[tuple[int, int], str]:
+    """Kernel `kernel` for every shape (its first candidate that passes the checks), or ValueError
+    naming --gemm."""
+    if kernel not in available(dtype):
+        raise ValueError(f"--gemm {kernel}: does not run {str(dtype).removeprefix('torch.')} here (this machine "
+                         f"runs: {', '.join(available(dtype))})")
+    gen, choice = torch.Generator().manual_seed(0), {}
+    for k, n in sorted(shapes):
+        weight = torch.randn(k, n, generator=gen).to(dtype)
+        reasons = {}
+        for name in candidate_names(kernel):
+            reasons[name] = check(PackedLinear(weight, name), dtype, gen)
+            if reasons[name] is None:
+                choice[(k, n)] = name
+                break
+        else:
+            raise ValueError(f"--gemm {kernel}: fails its check for {k}x{n} here: "
+                             + "; ".join(f"{c}: {r}" for c, r in reasons.items()))
+    logger.info("GEMMs: %s for every shape, as asked (--gemm), checked", kernel)
     return choice
 
 

@@ -35,12 +35,9 @@ def main(argv: list[str]) -> int:
     if spec["cpus"]:
         os.sched_setaffinity(0, spec["cpus"])
 
-    from transformers import AutoConfig
-
     from tritone.config import EngineConfig
     from tritone.executor import hardware, tensor_parallel
-    from tritone.executor.base import model_shard
-    from tritone.executor.runner import ModelRunner, num_kv_blocks
+    from tritone.executor.runner import ModelRunner
 
     try:
         config = EngineConfig(**spec["config"])
@@ -48,16 +45,11 @@ def main(argv: list[str]) -> int:
         if device.type == "cuda":
             torch.cuda.set_device(device)
         group = None
-        num_blocks = 0
         if size > 1:
             group = tensor_parallel.Group(rank, size, spec["init_method"], device, spec.get("shm_fd"),
                                           spec.get("shm_bytes", 0))
-            hf_config = AutoConfig.from_pretrained(config.model)
-            dtype = hardware.resolve_dtype(config.dtype, device)
-            # Every rank's cache has as many blocks as the smallest one holds.
-            num_blocks = group.min(num_kv_blocks(config, hf_config, dtype, device,
-                                                 model_shard(hf_config, rank, size)))
-        runner = ModelRunner(config, group, num_blocks)
+        # The ranks agree on the KV cache's blocks inside (the smallest any of them holds).
+        runner = ModelRunner(config, group)
     except Exception as exc:
         logger.exception("the model could not start")
         conn.send(("error", f"{type(exc).__name__}: {exc}"))
