@@ -162,3 +162,108 @@ def test_the_launcher_passes_the_parser_to_the_front_end(model_dir, monkeypatch,
     (command,) = started
     parsed = build_parser().parse_args(command[command.index("tritone.openai") + 1:])
     assert parsed.reasoning_parser == (flag[1] if flag else None)
+
+
+# ---- through a real server and the real openai client ----
+
+THINKER_TEMPLATE = """{%- for message in messages %}<|im_start|>{{ message.role }}
+{{ message.content }}<|im_end|>
+{% endfor %}
+{%- if add_generation_prompt %}<|im_start|>assistant
+<think>
+{% endif %}"""
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+MAX_TOKENS = 40
+
+
+@pytest.fixture(scope="module")
+def thinker(model_dir, tmp_path_factory):
+    """A tiny random Qwen2 model that thinks as DeepSeek-R1 does: its template opens <think>, and,
+    as in Qwen3's and DeepSeek-R1's tokenizers, <think> and </think> are tokens of their own.
+    Random weights would almost never write </think>, so one direction of the residual stream is
+    made constant (every embedding's first value is 1) and the </think> row of the output layer
+    reads it: </think> gets about 6% of every sampled step, so a seeded answer thinks for a few
+    dozen tokens, closes its thinking and goes on with an answer."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer, Qwen2Config
+
+    from conftest import start_server
+    from tritone.launcher import free_port
+
+    path = tmp_path_factory.mktemp("tiny-thinker")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    tokenizer.add_tokens(["<think>", "</think>"])
+    tokenizer.chat_template = THINKER_TEMPLATE
+    tokenizer.save_pretrained(path)
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=2048,
+                         bos_token_id=1, eos_token_id=2)
+    model = AutoModelForCausalLM.from_config(config)
+    with torch.no_grad():
+        model.model.embed_tokens.weight[:, 0] = 1.0
+        model.lm_head.weight[tokenizer.convert_tokens_to_ids("</think>"), 0] = 1.05
+    model.save_pretrained(path)
+    server, log = start_server(tmp_path_factory, "tiny-thinker", "--model", str(path), "--kv-cache-bytes",
+                               str(64 << 20), "--openai-port", str(free_port()), "--reasoning-parser", "deepseek_r1")
+    yield server
+    server.stop()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def raw_answer(thinker) -> tuple[int, str]:
+    """(a seed, the ensemble's unsplit answer with it) where the answer has both parts: the
+    ensemble is the same server's text without the front end's parser."""
+    from tritone_client import TritoneClient
+
+    with TritoneClient(f"127.0.0.1:{thinker.args.grpc_port}") as triton:
+        for seed in range(32):
+            text = triton.complete(QUESTION, max_tokens=MAX_TOKENS, temperature=1.0, seed=seed).text
+            if all(split("deepseek_r1", text)):
+                return seed, text
+    pytest.fail("no seed of 32 gave an answer that closes its thinking and goes on")
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_served_answer_is_split_into_reasoning_and_content(thinker, raw_answer, stream):
+    import openai
+
+    seed, raw = raw_answer
+    client = openai.OpenAI(base_url=thinker.openai_url, api_key="none", max_retries=0)
+    kwargs = {"model": thinker.model_dir.name, "messages": QUESTION, "max_tokens": MAX_TOKENS, "temperature": 1.0,
+              "seed": seed}
+    if stream:
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        reasoning = "".join(getattr(d, "reasoning_content", None) or "" for d in deltas)
+        content = "".join(d.content or "" for d in deltas)
+    else:
+        message = client.chat.completions.create(**kwargs).choices[0].message
+        reasoning, content = message.reasoning_content, message.content
+    assert "</think>" in raw and (reasoning, content) == split("deepseek_r1", raw)
+    assert reasoning and content
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_served_schema_holds_the_answer_and_leaves_the_thinking_free(thinker, raw_answer, stream):
+    import jsonschema
+    import openai
+
+    client = openai.OpenAI(base_url=thinker.openai_url, api_key="none", max_retries=0)
+    schema = {"type": "object", "properties": {"n": {"enum": [1, 2, 3]}}, "required": ["n"],
+              "additionalProperties": False}
+    kwargs = {"model": thinker.model_dir.name, "messages": QUESTION, "max_tokens": 96, "temperature": 1.0,
+              "seed": raw_answer[0], "response_format": {"type": "json_schema",
+                                                         "json_schema": {"name": "n", "schema": schema}}}
+    if stream:
+        chunks = [c.choices[0] for c in client.chat.completions.create(stream=True, **kwargs) if c.choices]
+        reasoning = "".join(getattr(c.delta, "reasoning_content", None) or "" for c in chunks)
+        content, finish = "".join(c.delta.content or "" for c in chunks), chunks[-1].finish_reason
+    else:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        reasoning, content, finish = choice.message.reasoning_content, choice.message.content, choice.finish_reason
+    # Random text while thinking (the schema would allow none), then an answer the schema holds.
+    assert finish == "stop" and reasoning and not reasoning.lstrip().startswith("{")
+    jsonschema.validate(json.loads(content), schema)
