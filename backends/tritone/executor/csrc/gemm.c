@@ -188,12 +188,10 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-/* A thread's tile configuration lasts until it loads another: the rows of the two halves it was
- * last set for (-1: never set on this thread). */
-static __thread int tile_rows0 = -1, tile_rows1 = -1;
-
+/* Loaded at every block, never cached per thread: other AMX code on the same threads (oneDNN's
+ * bf16 GEMMs) loads its own configuration or releases the tiles, after which a tile instruction
+ * without a new configuration faults (SIGILL). */
 static inline void configure_tiles(int r0, int r1) {
-    if (r0 == tile_rows0 && r1 == tile_rows1) return;
     TileConfig cfg = {0};
     cfg.palette = 1;
     for (int t = 0; t < 8; t++) cfg.colsb[t] = 64;
@@ -202,7 +200,6 @@ static inline void configure_tiles(int r0, int r1) {
     cfg.rows[6] = cfg.rows[7] = 16;                /* the panel: 16 rows of pairs, 16 columns each */
     if (!r1) cfg.colsb[2] = cfg.colsb[3] = cfg.colsb[5] = 0;
     _tile_loadconfig(&cfg);
-    tile_rows0 = r0, tile_rows1 = r1;
 }
 
 /* Rows [0, mr) (mr <= 32) of A times one panel into c, prefetching `next` over the K loop. */
