@@ -133,6 +133,24 @@ def test_extras_and_logprobs(client, model):
     assert len(completion.choices[0].logprobs.token_logprobs) == 4
 
 
+def test_logit_bias_forces_and_bans_tokens_on_both_endpoints(client, model, tokenizer):
+    (paris,) = tokenizer.encode(" Paris")
+    forced = client.completions.create(model=model, prompt="The capital of France is", max_tokens=5,
+                                       temperature=0, logit_bias={str(paris): 100})
+    assert forced.choices[0].text == tokenizer.decode([paris] * 5)
+    chat = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=4, temperature=0,
+                                          logit_bias={str(paris): 100})
+    assert chat.choices[0].message.content == tokenizer.decode([paris] * 4)
+    plain = client.completions.create(model=model, prompt="The capital of France is", max_tokens=1, temperature=0)
+    (greedy,) = tokenizer.encode(plain.choices[0].text)
+    banned = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
+                                       temperature=0, logit_bias={str(greedy): -100})
+    assert greedy not in tokenizer.encode(banned.choices[0].text)
+    error = error_of(lambda: client.completions.create(model=model, prompt="Hi", max_tokens=2,
+                                                       logit_bias={"10000000": 5}))
+    assert error.status_code == 400 and error.body["message"].startswith("logit_bias"), error.body
+
+
 def error_of(call) -> openai.APIStatusError:
     with pytest.raises(openai.APIStatusError) as caught:
         call()

@@ -5,7 +5,8 @@ each request's SamplingState, so that only token ids and log-probabilities leave
 Each sampled request draws one uniform per step from its own generator, inverted through its
 row's distribution, so a seeded request yields the same tokens whatever else shares the batch.
 Guided requests' logits are first masked to what their grammars allow (a bitmask filled by
-tritone.scheduling.grammar in the engine's process). The transforms then follow Hugging Face's logits processors, in the
+tritone.scheduling.grammar in the engine's process), and requests' logit_bias is added (as in vLLM,
+before the penalties). The transforms then follow Hugging Face's logits processors, in the
 order `generate` applies them: repetition penalty (over prompt and output tokens), presence and
 frequency penalties (output tokens, as in vLLM), bad words and min_tokens bans; then, for sampled
 rows, temperature, top-k, top-p over what top-k kept, min-p.
@@ -45,7 +46,7 @@ def needs_logits(requests: list[SamplingState]) -> bool:
     for r in requests:
         p = r.params
         if (r.is_guided or not p.is_greedy or p.return_log_probs or _has_penalty(r) or p.bad_token_ids
-                or (r.num_output < p.min_tokens and r.end_ids)):
+                or p.logit_bias or (r.num_output < p.min_tokens and r.end_ids)):
             return True
     return False
 
@@ -65,6 +66,7 @@ class Sampler:
         logits = logits.float()
         if guided_rows:
             apply_bitmask(logits, list(guided_rows), bitmask)
+        apply_logit_bias(logits, requests)
         apply_penalties(logits, requests)
         apply_bans(logits, requests)
         greedy = torch.tensor([r.params.is_greedy for r in requests])
@@ -95,6 +97,24 @@ class Sampler:
             logits[warped] = warp(logits[warped], [requests[i] for i in warped])
             inv_temperature[warped] = 1.0
         return sample_rows(logits, inv_temperature, u)
+
+
+def apply_logit_bias(logits: torch.Tensor, requests: list[SamplingState]) -> None:
+    """In place: each request's biases added to its row, in one scatter for the whole batch (the
+    indices go to the device without waiting for it)."""
+    rows, token_ids, biases = [], [], []
+    for i, request in enumerate(requests):
+        bias = request.params.logit_bias
+        if bias:
+            rows.extend([i] * len(bias))
+            token_ids.extend(bias.keys())
+            biases.extend(bias.values())
+    if not rows:
+        return
+    device = logits.device
+    index = torch.tensor([rows, token_ids], dtype=torch.int64).to(device, non_blocking=True)
+    values = torch.tensor(biases, dtype=logits.dtype).to(device, non_blocking=True)
+    logits.index_put_((index[0], index[1]), values, accumulate=True)
 
 
 def apply_penalties(logits: torch.Tensor, requests: list[SamplingState]) -> None:

@@ -31,6 +31,8 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 # an out-of-range float into inf, so a value is refused unless it fits as it is.
 INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
+# OpenAI's limits on logit_bias (the engine holds the same: tritone.scheduling.request).
+MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS = 100.0, 300
 Float32 = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 
 
@@ -101,10 +103,21 @@ class _Sampling(BaseModel):
         self._check_sendable()
         if self.n != 1:
             raise RequestError("n must be 1: one choice per request is supported", "n")
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported", "logit_bias")
+        self._check_logit_bias()
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true", "stream_options")
+
+    def _check_logit_bias(self) -> None:
+        """OpenAI's rules; the engine refuses an id outside the model's vocabulary."""
+        bias = self.logit_bias or {}
+        if len(bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise RequestError(f"logit_bias holds {len(bias)} tokens, over the limit of {MAX_LOGIT_BIAS_TOKENS}",
+                               "logit_bias")
+        for key, value in bias.items():
+            if not (key.isascii() and key.isdigit()):
+                raise RequestError(f"logit_bias keys must be token ids, got {key!r}", "logit_bias")
+            if not abs(value) <= MAX_LOGIT_BIAS:
+                raise RequestError(f"logit_bias of token {key} must be in [-100, 100], got {value}", "logit_bias")
 
     def sampling_inputs(self, max_tokens: int) -> dict[str, np.ndarray]:
         """The ensemble's sampling inputs. OpenAI samples at temperature 1 when none is given
@@ -122,6 +135,8 @@ class _Sampling(BaseModel):
             "stream": (self.stream, np.bool_),
         }
         inputs = {name: np.array([[value]], dtype=dtype) for name, (value, dtype) in values.items() if value is not None}
+        if self.logit_bias:
+            inputs["logit_bias"] = np.array([[json.dumps(self.logit_bias).encode()]], dtype=object)
         if stop:
             inputs["stop_words"] = np.array([[s.encode() for s in stop]], dtype=object)
         guide = self.guide()

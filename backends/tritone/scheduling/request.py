@@ -20,6 +20,9 @@ class FinishReason(str, enum.Enum):
 MIN_TEMPERATURE = 1e-5
 # OpenAI's and vLLM's range for presence and frequency penalties.
 MAX_ABS_ADDITIVE_PENALTY = 2.0
+# OpenAI's limits on logit_bias: a bias in [-100, 100] for each of at most 300 tokens.
+MAX_LOGIT_BIAS = 100.0
+MAX_LOGIT_BIAS_TOKENS = 300
 
 
 class RequestStatus(enum.Enum):
@@ -45,6 +48,8 @@ class SamplingParams:
     seed: int | None = None
     bad_token_ids: list[list[int]] = field(default_factory=list)
     return_log_probs: bool = False
+    # Token id -> what is added to its logit before anything else (OpenAI's logit_bias).
+    logit_bias: dict[int, float] = field(default_factory=dict)
     # Constrains the output to a JSON schema, regex, grammar or structural tag
     # (tritone.scheduling.grammar).
     guide: "Guide | None" = None
@@ -82,9 +87,21 @@ class SamplingParams:
             raise ValueError(f"end_id must be -1 or in [0, {vocab_size}), got {self.end_id}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        self._validate_logit_bias(vocab_size)
         for seq in self.bad_token_ids:
             if not seq or any(not 0 <= t < vocab_size for t in seq):
                 raise ValueError("bad_token_ids holds an empty or out-of-vocabulary sequence")
+
+
+    def _validate_logit_bias(self, vocab_size: int) -> None:
+        if len(self.logit_bias) > MAX_LOGIT_BIAS_TOKENS:
+            raise ValueError(f"logit_bias holds {len(self.logit_bias)} tokens, over the limit of {MAX_LOGIT_BIAS_TOKENS}")
+        for token_id, bias in self.logit_bias.items():
+            if not 0 <= token_id < vocab_size:
+                raise ValueError(f"logit_bias names token {token_id}, outside the vocabulary [0, {vocab_size})")
+            if not (math.isfinite(bias) and abs(bias) <= MAX_LOGIT_BIAS):
+                raise ValueError(f"logit_bias of token {token_id} must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias}")
 
 
 # Stands in output_ids for a token that the device has sampled and the host not yet seen.

@@ -37,6 +37,8 @@ def triton_getter(pb_utils, request) -> Getter:
 MAX_WORDS = 256
 MAX_WORDS_BYTES = 16384
 MAX_BAD_WORD_IDS = 4096
+# OpenAI's logit_bias as JSON: at most 300 entries, so a few KiB; room for spaces.
+MAX_LOGIT_BIAS_BYTES = 65536
 # A structured output's schema, regex or grammar.
 MAX_GUIDE_BYTES = 1 << 20
 
@@ -218,6 +220,7 @@ def parse_llm_request(get: Getter, server_key: bytes | None = None) -> LLMReques
         seed=None if seed is None else int(seed),
         bad_token_ids=_word_ids(get, "BAD_WORDS_IDS"),
         return_log_probs=bool(scalar(get, "RETURN_LOG_PROBS", False)),
+        logit_bias=parse_logit_bias(get),
         guide=parse_guide(get),
     )
     return LLMRequest(
@@ -229,6 +232,25 @@ def parse_llm_request(get: Getter, server_key: bytes | None = None) -> LLMReques
         stop_words=text_list(get, "STOP_WORDS"),
         flow_control=flow_control,
     )
+
+
+def parse_logit_bias(get: Getter) -> dict[int, float]:
+    """The `logit_bias` input: a JSON object of token id (a decimal string, as OpenAI's keys are)
+    -> bias. Its range and the ids' vocabulary are checked with the other sampling parameters."""
+    raw = get("LOGIT_BIAS")
+    if raw is None:
+        return {}
+    if raw.size != 1:
+        raise ValueError(f"logit_bias must hold exactly one value, got shape {list(raw.shape)}")
+    bias = _json_input(raw.reshape(-1)[0], "logit_bias", MAX_LOGIT_BIAS_BYTES)
+    if not isinstance(bias, dict):
+        raise ValueError('logit_bias must be a JSON object of token id -> bias, such as {"50256": -100}')
+    parsed = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and isinstance(value, (int, float)) and not isinstance(value, bool)):
+            raise ValueError(f"logit_bias must map token ids to numbers, got {key!r}: {value!r}")
+        parsed[int(key)] = float(value)
+    return parsed
 
 
 def parse_guide(get: Getter) -> Guide | None:
