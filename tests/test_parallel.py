@@ -261,3 +261,20 @@ def test_split_and_shard_tensor():
     o = torch.arange(3 * 8, dtype=torch.float32).reshape(3, 8)  # [hidden, 4 heads * head_dim 2]
     assert torch.equal(tensor_parallel.shard_tensor("model.layers.0.self_attn.o_proj.weight", o, shard, 2), o[:, 4:])
     assert tensor_parallel.shard_tensor("model.layers.0.mlp.down_proj.bias", torch.ones(3), shard, 2) is None
+
+
+def test_a_rank_that_fails_to_start_fails_the_start_at_once_while_another_waits():
+    """Rank 1 reports its failure while rank 0 says nothing (waiting for rank 1 in a collective, as
+    it would): the start fails at once, naming rank 1, instead of waiting on rank 0 forever."""
+    import multiprocessing
+
+    from tritone.executor.multiproc import RemoteRunner
+
+    runner = RemoteRunner.__new__(RemoteRunner)
+    pipes = [multiprocessing.Pipe(duplex=True) for _ in range(2)]
+    runner._conns, runner.engine_index, runner._procs = [ours for ours, _ in pipes], 0, []
+    pipes[1][1].send(("error", "RuntimeError: out of memory"))
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match="model worker 1 failed while starting: RuntimeError: out of memory"):
+        runner._await_start()
+    assert time.monotonic() - t0 < 5

@@ -27,6 +27,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 from multiprocessing.connection import wait
 from multiprocessing.reduction import ForkingPickler
 
@@ -45,6 +46,8 @@ DP_FLAG = "--data-parallel-size"
 # A step's watchdog: far past any step's time (a step of the default model on 2 CPU cores takes
 # milliseconds to a second; a first call at a new batch shape may compile for tens of seconds).
 STEP_TIMEOUT_SECONDS = float(os.environ.get("TRITONE_STEP_TIMEOUT", "300"))
+# A start's watchdog: loading, measuring and compiling an 8B model's rank, with room to spare.
+START_TIMEOUT_SECONDS = 1800.0
 
 
 class WorkerDied(RuntimeError):
@@ -155,7 +158,7 @@ class RemoteRunner(RunnerBase):
                 self._conns.append(ours)
             if shm_fd is not None:
                 os.close(shm_fd)
-            replies = [self._receive(conn, rank, "starting") for rank, conn in enumerate(self._conns)]
+            replies = self._await_start()
         except BaseException:
             self.shutdown()
             raise
@@ -164,6 +167,23 @@ class RemoteRunner(RunnerBase):
                     self.engine_index, tp, "es" if tp > 1 else "", "; ".join(f"rank {r}: {reply[3]}" for r, reply in
                                                                            enumerate(replies)),
                     self.num_blocks, self.block_size)
+
+    def _await_start(self) -> list:
+        """Every rank's start-up reply, taken as each comes: a rank that fails fails the start at
+        once (its peers may be waiting for it in a collective, and are killed), and one that has
+        not answered after START_TIMEOUT_SECONDS counts as failed."""
+        pending, replies = dict(enumerate(self._conns)), {}
+        deadline = time.monotonic() + START_TIMEOUT_SECONDS
+        while pending:
+            ready = wait(list(pending.values()), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                raise RuntimeError(f"engine {self.engine_index}: model workers {sorted(pending)} did not start within "
+                                   f"{START_TIMEOUT_SECONDS:.0f} s")
+            for conn in ready:
+                rank = self._conns.index(conn)
+                replies[rank] = self._receive(conn, rank, "starting")
+                del pending[rank]
+        return [replies[rank] for rank in range(len(self._conns))]
 
     def _receive(self, conn, rank: int, doing: str):
         try:

@@ -246,6 +246,12 @@ class ModelRunner(RunnerBase):
                 self.attention = attention.TorchSDPAAttention()
         if self.device.type == "cuda" and config.cuda_graphs == "auto":
             self.graphs = self._capture_decode_graphs(config.max_num_seqs)
+            if self.group is not None and self.group.min(int(self.graphs is not None)) == 0:
+                # Replayed graphs hold the collectives: a rank stepping eagerly beside ranks that
+                # replay would meet them in another order. All replay, or none does.
+                if self.graphs is not None:
+                    logger.warning("CUDA graphs: off, as another rank's capture failed")
+                self.graphs = None
 
     def decode_graphs(self, max_num_seqs: int, capture: bool = True) -> cuda_graphs.DecodeGraphs:
         return cuda_graphs.DecodeGraphs(self.model, self.kv_caches, self.attention, self.block_size,
