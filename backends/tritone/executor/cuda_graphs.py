@@ -5,8 +5,10 @@ much as their work at small batches. Each batch size in `graph_sizes` is capture
 reading static input buffers (token ids, positions, slots, block tables, context lengths), and a
 step of n decodes copies its inputs into the buffers' first n rows and replays the graph of the
 smallest size that holds n. Padding rows attend one key of block 0, write their keys and values
-to the spare slot that no block table names, and their logits are dropped. A batch with a prompt
-chunk, or larger than the largest size, runs eagerly.
+to the spare slot that no block table names, and are dropped. A batch with a prompt chunk, or
+larger than the largest size, runs eagerly. The graphs end at the final hidden states (as
+nano-vllm's and vLLM's do): the logits of the rows that sample are computed after the replay,
+so that no graph holds a [size, vocab] output (about 1 GB over every size at a 128k vocabulary).
 
 With `capture=False` the same buffers and padding run eagerly: that is how the tests check, on
 CPU, everything here but the capture itself.
@@ -58,7 +60,7 @@ class DecodeGraphs:
             seq_lens=self.seq_lens[:size], query_start_list=[], seq_lens_list=[], num_decodes=size,
             block_size=self.block_size, max_query_len=1, max_seq_len=self.max_model_len)
         with attention.forward_context(self.kv_caches, meta, self.backend):
-            return self.model(self.ids[:size], self.positions[:size], self.rows[:size])
+            return self.model.hidden_states(self.ids[:size], self.positions[:size], self.rows[:size])
 
     @torch.inference_mode()
     def _capture_all(self) -> None:
@@ -83,8 +85,8 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
             seq_lens: np.ndarray, prev=None) -> torch.Tensor:
-        """Logits [n, vocab] of a step of n decodes (one token per sequence); valid until the
-        next call, which may overwrite them. `prev` as ModelRunner.execute's."""
+        """Final hidden states [n, hidden] of a step of n decodes (one token per sequence); valid
+        until the next call, which may overwrite them. `prev` as ModelRunner._forward's."""
         n = len(ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
         host = lambda a: torch.from_numpy(np.ascontiguousarray(a))

@@ -243,6 +243,16 @@ class LlamaForCausalLM(nn.Module):
         """input_ids, positions: [num_tokens]; logits_indices: [num_sampled] rows to compute
         logits at. Returns [num_sampled, vocab] float32 (this rank's slice of the vocabulary,
         padded, under tensor parallelism)."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, logits_indices))
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[rows, vocab] float32 logits of final hidden states: apart, so that CUDA graphs capture
+        up to the hidden states and the logits of only the rows that sample are computed."""
+        return self.lm_head(hidden).float()
+
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
+                      ) -> torch.Tensor:
+        """The final normed hidden states [num_sampled, hidden] at `logits_indices`."""
         x = self.embed(input_ids)
         table = self.rope[positions]  # [num_tokens, head_dim]
         half = table.shape[-1] // 2
@@ -259,8 +269,7 @@ class LlamaForCausalLM(nn.Module):
         for layer in self.layers:
             x, residual = layer_forward(layer, x, residual, cos, sin)
         x = (x + residual)[logits_indices]
-        x = self.norm(x)
-        return self.lm_head(x).float()
+        return self.norm(x)
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.vocab_range is None:

@@ -397,10 +397,10 @@ class ModelRunner(RunnerBase):
                 ids = prev.patch(ids)
             return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices, greedy)
         if self.graphs is not None and self.graphs.fits(len(seq_lens), num_decodes, tables.shape[1]):
-            logits = self.graphs.run(ids, positions, slots, tables, seq_lens, prev)
-            if len(logits_indices) == len(ids):  # every decode samples: rows in order
-                return logits
-            return logits[torch.from_numpy(np.asarray(logits_indices)).to(self.device)]
+            hidden = self.graphs.run(ids, positions, slots, tables, seq_lens, prev)
+            if len(logits_indices) != len(ids):  # not every decode samples: only those rows' logits
+                hidden = hidden[torch.from_numpy(np.asarray(logits_indices)).to(self.device)]
+            return self.model.compute_logits(hidden)
         return self._torch_forward(step, prev, self.attention)
 
     def _torch_forward(self, step: StepInput, prev: PendingTokens | None, backend) -> torch.Tensor:
