@@ -65,3 +65,28 @@ def test_the_device_check_skips_each_section_without_a_gpu():
     lines = run.stdout.splitlines()
     assert [line.split()[:2] for line in lines[:2]] == [["SKIPPED", "versions"], ["SKIPPED", "tensor_parallel"]]
     assert lines[-1].startswith("gpu_check: 0 passed, 0 failed, 2 skipped")
+
+
+def test_staged_inputs_arrive_whole_step_after_step():
+    """The pinned staging path, run on plain host memory: each step's arrays arrive as they were,
+    with two buffers taken in turn, and a step larger than the buffers still arrives (copied the
+    ordinary way)."""
+    import numpy as np
+
+    from tritone.executor.staging import HostStaging
+
+    staging = HostStaging(torch.device("cpu"), 1024, pinned=True)
+    rng = np.random.default_rng(0)
+    kept = []
+    for step in range(5):
+        staging.begin_step()
+        arrays = [rng.integers(0, 1 << 40, size=7), rng.integers(0, 99, size=(3, 5)).astype(np.int32),
+                  np.arange(step + 1, dtype=np.int64)]
+        got = [staging.to_device(a) for a in arrays]
+        staging.end_step()
+        for a, g in zip(arrays, got):
+            assert np.array_equal(g.numpy(), a) and g.dtype == torch.from_numpy(a).dtype
+        kept.append((arrays, [g.clone() for g in got]))
+    staging.begin_step()
+    big = np.arange(1000, dtype=np.int64)
+    assert np.array_equal(staging.to_device(big).numpy(), big)

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from tritone.executor import attention
+from tritone.executor.staging import HostStaging
 
 logger = logging.getLogger(__name__)
 
@@ -84,12 +85,14 @@ class DecodeGraphs:
 
     @torch.inference_mode()
     def run(self, ids: np.ndarray, positions: np.ndarray, slots: np.ndarray, tables: np.ndarray,
-            seq_lens: np.ndarray, prev=None) -> torch.Tensor:
+            seq_lens: np.ndarray, prev=None, staging: HostStaging | None = None) -> torch.Tensor:
         """Final hidden states [n, hidden] of a step of n decodes (one token per sequence); valid
         until the next call, which may overwrite them. `prev` as ModelRunner._forward's."""
         n = len(ids)
         size = self.sizes[bisect.bisect_left(self.sizes, n)]
-        host = lambda a: torch.from_numpy(np.ascontiguousarray(a))
+        staging = staging or HostStaging(self.ids.device, 0, pinned=False)
+        staging.begin_step()
+        host = staging.host
         self.ids[:n].copy_(host(ids), non_blocking=True)
         self.positions[:n].copy_(host(positions), non_blocking=True)
         self.slots[:n].copy_(host(slots), non_blocking=True)
@@ -97,7 +100,9 @@ class DecodeGraphs:
         self.seq_lens[:n].copy_(host(seq_lens), non_blocking=True)
         if prev is not None:
             device = self.ids.device
-            self.ids[host(prev.dst).to(device)] = prev.token_ids[host(prev.src).to(device)]
+            self.ids[host(prev.dst).to(device, non_blocking=True)] = \
+                prev.token_ids[host(prev.src).to(device, non_blocking=True)]
+        staging.end_step()
         if size > n:
             self.ids[n:size] = 0
             self.positions[n:size] = 0

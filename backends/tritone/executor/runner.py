@@ -22,6 +22,7 @@ from tritone.executor.kernels import argmax_rows
 from tritone.executor.loader import load_weights, random_weights
 from tritone.executor.sampler import Sampler, needs_logits
 from tritone.executor.sampling_state import SamplingTable
+from tritone.executor.staging import HostStaging
 from tritone.executor.step import PendingTokens, SamplingInput, StepHandle, StepInput
 
 logger = logging.getLogger(__name__)
@@ -151,6 +152,13 @@ def build_model(model_dir: str, hf_config, dtype: torch.dtype, device: torch.dev
     return HFCausalLM(model_dir, dtype, device)
 
 
+def staging_bytes(config: EngineConfig, max_blocks: int) -> int:
+    """A step's host arrays at most: ids, positions, slots and logits rows (int64) of every token,
+    block tables (int32) and lengths of every sequence, and the pending tokens' places."""
+    tokens, seqs = config.max_num_batched_tokens, config.max_num_seqs
+    return 8 * (4 * tokens + 2 * seqs) + 4 * (seqs * max_blocks + 2 * seqs + 1) + 64 * 16
+
+
 def prepack_linears(model: torch.nn.Module, dtype: torch.dtype, kernel: str = "auto") -> None:
     """Gives every linear the kernel chosen for its shape (gemm.py: checked here, then fastest), or
     `kernel` where one is asked for (checked all the same)."""
@@ -214,6 +222,7 @@ class ModelRunner(RunnerBase):
                     config.model, self.device, self.dtype, torch.get_num_threads(), self.attention.name,
                     self.num_blocks, self.block_size)
         self.compile_seconds = 0.0
+        self.staging = HostStaging(self.device, staging_bytes(config, self.block_rows.table.shape[1]))
         self.graphs: cuda_graphs.DecodeGraphs | None = None
         self._config = config
         # The start-up check of fast paths (verify.py) runs where one process holds the whole
@@ -359,11 +368,9 @@ class ModelRunner(RunnerBase):
         out = self.run_model(step, greedy, prev)
         if out is None or not rows:  # a following rank, or a step that only fills the cache
             return self.finish_step(None, None, 0)
-        if greedy:
-            token_ids, log_probs = out, None
-        else:
-            token_ids, log_probs = self.sampler.sample(out, rows, sampling.guided_rows, sampling.bitmask)
+        token_ids, log_probs, top = self.sampler.sample_step(out, rows, sampling, greedy)
         handle = self.finish_step(token_ids, log_probs, len(rows))
+        handle.top = top
         self.sampling.end_step(handle, rows)
         return handle
 
@@ -397,7 +404,7 @@ class ModelRunner(RunnerBase):
                 ids = prev.patch(ids)
             return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices, greedy)
         if self.graphs is not None and self.graphs.fits(len(seq_lens), num_decodes, tables.shape[1]):
-            hidden = self.graphs.run(ids, positions, slots, tables, seq_lens, prev)
+            hidden = self.graphs.run(ids, positions, slots, tables, seq_lens, prev, self.staging)
             if len(logits_indices) != len(ids):  # not every decode samples: only those rows' logits
                 hidden = hidden[torch.from_numpy(np.asarray(logits_indices)).to(self.device)]
             return self.model.compute_logits(hidden)
@@ -406,7 +413,8 @@ class ModelRunner(RunnerBase):
     def _torch_forward(self, step: StepInput, prev: PendingTokens | None, backend) -> torch.Tensor:
         ids, positions, slots, tables = step.ids, step.positions, step.slots, step.tables
         query_start, seq_lens, logits_indices = step.query_start, step.seq_lens, step.logits_indices
-        to = lambda a: torch.from_numpy(np.ascontiguousarray(a)).to(self.device, non_blocking=True)
+        to = self.staging.to_device
+        self.staging.begin_step()
         meta = attention.AttentionMetadata(
             slot_mapping=to(slots), block_tables=to(tables), query_start=to(query_start), seq_lens=to(seq_lens),
             query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(), num_decodes=step.num_decodes,
@@ -415,5 +423,6 @@ class ModelRunner(RunnerBase):
         input_ids, pos, rows = to(ids), to(positions), to(logits_indices)
         if prev is not None:
             input_ids[to(prev.dst)] = prev.token_ids[to(prev.src)]
+        self.staging.end_step()
         with attention.forward_context(self.kv_caches, meta, backend):
             return self.model(input_ids, pos, rows)
