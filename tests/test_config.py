@@ -118,9 +118,16 @@ def test_an_installed_package_carries_the_model_repository(tmp_path):
     import subprocess
     import sys
 
+    import shutil
+
     root = pathlib.Path(__file__).resolve().parents[1]
-    subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(root),
-                    "-w", str(tmp_path / "wheel")], check=True, cwd=tmp_path)
+    had_build = (root / "build").exists()
+    try:
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", str(root),
+                        "-w", str(tmp_path / "wheel")], check=True, cwd=tmp_path)
+    finally:  # setuptools builds in the checkout: leave it as it was
+        if not had_build:
+            shutil.rmtree(root / "build", ignore_errors=True)
     wheel = next((tmp_path / "wheel").glob("tritone-*.whl"))
     subprocess.run([sys.executable, "-m", "pip", "install", "--no-deps", "-q", "--target", str(tmp_path / "site"),
                     str(wheel)], check=True)

@@ -13,7 +13,8 @@ from transformers import AutoConfig
 
 from test_engine import make_engine, run_staggered
 from tritone.executor import kv_bytes_per_token
-from tritone.openai.tools import ToolStream, parse_tool_calls, parser_for_template, tool_guide
+from tritone.openai.tools import ToolStream, parse_tool_calls, tool_guide
+from tritone.text.templates import parser_for_template
 from tritone.scheduling.grammar import Guide, GuideError
 from tritone.scheduling.request import FinishReason, SamplingParams
 from tritone.text import hermes_tool_messages

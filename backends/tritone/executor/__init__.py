@@ -4,7 +4,8 @@ about Triton or requests' text."""
 
 from tritone.config import EngineConfig
 from tritone.executor.base import Runner
-from tritone.executor.runner import ModelRunner, kv_bytes_per_token
+from tritone.executor.memory import kv_bytes_per_token
+from tritone.executor.runner import ModelRunner
 
 
 def make_runner(config: EngineConfig, engine: int = 0) -> Runner:

@@ -24,7 +24,7 @@ from tritone.launcher.repository import ENSEMBLE_MODELS, INLINE_MODELS, render_r
 from tritone.processes import die_with_parent, free_port
 from tritone.serving import flow
 from tritone.serving.inputs import CONTROL_KEY_ENV
-from tritone.text.templates import chat_template_text
+from tritone.text.templates import chat_template_text, parser_for_template
 
 # tritonserver's own exit timeout, after the launcher's drain (Server.triton_exit_timeout).
 TRITON_EXIT_GRACE_SECONDS = 10
@@ -106,8 +106,6 @@ class Server:
         grpc_host = "127.0.0.1" if a.host in ("0.0.0.0", "::", "") else a.host
         parser = getattr(a, "tool_call_parser", "auto")
         if parser == "auto":
-            from tritone.openai.tools import parser_for_template
-
             parser = parser_for_template(chat_template_text(self.model_dir))
         command = [sys.executable, "-m", "tritone.openai", "--grpc-url", f"{grpc_host}:{a.grpc_port}",
                    "--host", a.host, "--port", str(a.openai_port), "--model-name", self.model_dir.name,

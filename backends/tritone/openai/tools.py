@@ -24,13 +24,6 @@ _XGRAMMAR_FORMATS = {"hermes": "qwen_3", "llama3_json": "llama"}
 _HERMES_CALL = re.compile(re.escape(TOOL_CALL_OPEN) + r"\s*(.*?)\s*" + re.escape(TOOL_CALL_CLOSE), re.DOTALL)
 
 
-def parser_for_template(chat_template) -> str:
-    """The syntax a model writes, read from its chat template: Llama 3.x's bare JSON where the
-    template speaks of ipython, else Hermes."""
-    text = chat_template if isinstance(chat_template, str) else json.dumps(chat_template or "")
-    return "llama3_json" if ("<|python_tag|>" in text or "ipython" in text) else "hermes"
-
-
 def tool_guide(tools: list[dict], tool_choice, parser: str) -> str:
     """The structural tag (xgrammar JSON) that holds the model's tool calls to the tools' names
     and parameter schemas: `auto` lets the model write text or calls, `required` demands at least

@@ -92,3 +92,10 @@ def _name_and_arguments(call: dict) -> tuple[str | None, object]:
         except json.JSONDecodeError:
             pass
     return function.get("name"), arguments
+
+
+def parser_for_template(chat_template) -> str:
+    """The tool-call syntax a model writes, read from its chat template: Llama 3.x's bare JSON
+    where the template speaks of ipython, else Hermes."""
+    text = chat_template if isinstance(chat_template, str) else json.dumps(chat_template or "")
+    return "llama3_json" if ("<|python_tag|>" in text or "ipython" in text) else "hermes"
