@@ -42,6 +42,10 @@ logger = logging.getLogger(__name__)
 _BATCH_ROWS = 32
 # The measurement's copies of a weight span at least this much memory, beyond any CPU's L3 here.
 _COLD_BYTES = 64 << 20
+# ...but never more copies than this: a weight so small that it takes more is one of a model whose
+# weights all fit in cache, so timing it from cache is what serving will see, and packing thousands
+# of copies for every candidate took minutes at start.
+_MAX_COPIES = 64
 # Torch's kernels run on blocks of this many rows, the last one padded ("/32p") or not ("/32"): on
 # an Intel Xeon with AMX oneDNN's bf16 GEMM gives a row the same bits at any row count up to 32
 # (not past it), so its last block needs no padding and a lone decode row costs one row's GEMM;
@@ -181,7 +185,7 @@ def measure(in_features: int, out_features: int, dtype: torch.dtype) -> dict[str
     on weights streamed from memory, or why it was dropped (`check`); a kernel that cannot take
     this dtype here is left out."""
     gen = torch.Generator().manual_seed(0)
-    num_copies = max(1, -(-_COLD_BYTES // (in_features * out_features * dtype.itemsize)))
+    num_copies = min(_MAX_COPIES, max(1, -(-_COLD_BYTES // (in_features * out_features * dtype.itemsize))))
     weights = [torch.randn(in_features, out_features, generator=gen).to(dtype) for _ in range(num_copies)]
     results = {}
     for name in (c for kernel in available(dtype) for c in candidate_names(kernel)):
