@@ -164,7 +164,7 @@ def error_of(call) -> openai.APIStatusError:
     ({"n": 2}, 400, "n"),
     ({"functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, 400, "tools[0]"),
-    ({"top_logprobs": 2, "logprobs": True}, 400, "top_logprobs"),
+    ({"top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),
     ({"response_format": {"type": "json_schema"}}, 400, "response_format"),
     ({"extra_body": {"max_tokens": "many"}}, 400, "max_tokens"),
     ({"extra_body": {"no_such_option": 1}}, 400, "no_such_option"),

@@ -6,7 +6,7 @@ import json
 import queue
 import urllib.error
 import urllib.request
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
@@ -39,6 +39,9 @@ class Chunk:
     cum_log_prob: float
     output_log_probs: list[float]
     finish_reason: str
+    # With num_top_log_probs: for each token, [its text, its log-probability, [[text,
+    # log-probability] of the most likely tokens]].
+    top_log_probs: list = field(default_factory=list)
 
 
 class TritoneClient:
@@ -194,4 +197,5 @@ def read_chunk(get) -> Chunk:
         cum_log_prob=float(first("cum_log_probs", 0.0)),
         output_log_probs=[] if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1).tolist(),
         finish_reason=first("finish_reason", ""),
+        top_log_probs=json.loads(first("top_log_probs", "[]")),
     )

@@ -247,7 +247,8 @@ class LLMEngine:
         t0 = time.perf_counter()
         token_ids, log_probs = launched.handle.result()
         t1 = time.perf_counter()
-        outputs = self.scheduler.update_from_output(launched, token_ids, log_probs)
+        top = launched.handle.top.by_row() if getattr(launched.handle, "top", None) is not None else None
+        outputs = self.scheduler.update_from_output(launched, token_ids, log_probs, top)
         t2 = time.perf_counter()
         self.stats.num_steps += 1
         self.stats.phase_seconds["forward"] += t1 - t0  # the device's time not hidden behind the host's

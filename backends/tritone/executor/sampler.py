@@ -19,6 +19,7 @@ import torch
 
 from tritone.executor.kernels import argmax_rows, sample_rows, top_p_rows
 from tritone.executor.sampling_state import SamplingState
+from tritone.executor.step import TopRows
 from tritone.scheduling.grammar import apply_bitmask
 
 _NEG_INF = float("-inf")
@@ -46,7 +47,7 @@ def needs_logits(requests: list[SamplingState]) -> bool:
     for r in requests:
         p = r.params
         if (r.is_guided or not p.is_greedy or p.return_log_probs or _has_penalty(r) or p.bad_token_ids
-                or p.logit_bias or (r.num_output < p.min_tokens and r.end_ids)):
+                or p.logit_bias or p.num_top_log_probs is not None or (r.num_output < p.min_tokens and r.end_ids)):
             return True
     return False
 
@@ -57,6 +58,17 @@ class Sampler:
         distribution after penalties and bans, before temperature, top-k, top-p and min-p)."""
         token_ids, log_probs = self.sample(logits, requests)
         return token_ids.tolist(), log_probs.tolist() if log_probs is not None else [0.0] * len(requests)
+
+    def sample_step(self, out: torch.Tensor, requests: list[SamplingState], sampling,
+                    greedy: bool) -> tuple[torch.Tensor, torch.Tensor | None, TopRows | None]:
+        """A runner's step: `out` holds the greedy tokens where `greedy` (needs_logits said no),
+        else the logits; `sampling` its SamplingInput. Returns as `sample`, with the top
+        log-probabilities of the rows that asked for them, taken from the raw logits."""
+        if greedy:
+            return out, None, None
+        raw = raw_log_probs(out, requests)
+        token_ids, log_probs = self.sample(out, requests, sampling.guided_rows, sampling.bitmask)
+        return token_ids, log_probs, None if raw is None else top_log_probs(raw, token_ids, requests)
 
     def sample(self, logits: torch.Tensor, requests: list[SamplingState], guided_rows: list[int] = (),
                bitmask: np.ndarray | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -97,6 +109,26 @@ class Sampler:
             logits[warped] = warp(logits[warped], [requests[i] for i in warped])
             inv_temperature[warped] = 1.0
         return sample_rows(logits, inv_temperature, u)
+
+
+def raw_log_probs(logits: torch.Tensor, requests: list[SamplingState]) -> tuple[list[int], torch.Tensor] | None:
+    """The rows that asked for top log-probabilities and their log-softmax of the model's raw
+    logits in fp32 (vLLM's default), taken before sampling edits the logits; None where none asked."""
+    rows = [i for i, r in enumerate(requests) if r.params.num_top_log_probs is not None]
+    if not rows:
+        return None
+    return rows, torch.log_softmax(logits[rows].float(), dim=-1)
+
+
+def top_log_probs(raw: tuple[list[int], torch.Tensor], token_ids: torch.Tensor,
+                  requests: list[SamplingState]) -> TopRows:
+    """The sampled tokens' raw log-probabilities and the most likely tokens', on the device."""
+    rows, log_probs = raw
+    k = max(requests[i].params.num_top_log_probs for i in rows)
+    index = torch.tensor(rows, dtype=torch.int64).to(log_probs.device, non_blocking=True)
+    chosen = log_probs.gather(1, token_ids[index][:, None]).flatten()
+    values, ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], torch.zeros_like(log_probs[:, :0]).long())
+    return TopRows(rows, [requests[i].params.num_top_log_probs for i in rows], chosen, ids, values)
 
 
 def apply_logit_bias(logits: torch.Tensor, requests: list[SamplingState]) -> None:

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from tritone.scheduling.request import TopLogProbs
+
 
 @dataclass(slots=True)
 class StepInput:
@@ -69,6 +71,24 @@ class PendingTokens:
         return ids
 
 
+@dataclass(slots=True)
+class TopRows:
+    """The top log-probabilities of the rows that asked for them, on the device: `ids` and
+    `log_probs` [len(rows), max k], most likely first; `chosen` [len(rows)]: the sampled tokens'."""
+
+    rows: list[int]
+    ks: list[int]
+    chosen: torch.Tensor
+    ids: torch.Tensor
+    log_probs: torch.Tensor
+
+    def by_row(self) -> dict[int, TopLogProbs]:
+        """On the host (a wait for the step, only for requests that asked)."""
+        chosen, ids, log_probs = self.chosen.tolist(), self.ids.tolist(), self.log_probs.tolist()
+        return {row: TopLogProbs(chosen[j], ids[j][:k], log_probs[j][:k])
+                for j, (row, k) in enumerate(zip(self.rows, self.ks))}
+
+
 class StepHandle:
     """A launched step's sampled ids and log-probabilities: on the device (where the next step's
     inputs read them) and, once `result()` returns, on the host. On CUDA the copy to the host is
@@ -76,6 +96,8 @@ class StepHandle:
 
     def __init__(self, token_ids: torch.Tensor | None, log_probs: torch.Tensor | None, num_rows: int):
         self.token_ids, self.num_rows = token_ids, num_rows
+        # Set by the runner where a row asked for top log-probabilities.
+        self.top: TopRows | None = None
         self._event = None
         self._host_ids, self._host_log_probs = token_ids, log_probs
         if token_ids is not None and token_ids.is_cuda:

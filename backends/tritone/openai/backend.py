@@ -138,6 +138,7 @@ class Generation:
         async for chunk in self:
             whole.text += chunk.text
             whole.output_log_probs += chunk.output_log_probs
+            whole.top_log_probs += chunk.top_log_probs
             whole.num_input_tokens, whole.num_output_tokens = chunk.num_input_tokens, chunk.num_output_tokens
             whole.cum_log_prob = chunk.cum_log_prob
             whole.finish_reason = chunk.finish_reason or whole.finish_reason

@@ -28,6 +28,11 @@ def sse(payload: dict | str) -> bytes:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n".encode()
 
 
+def _token(text: str, log_prob: float) -> dict:
+    # As vLLM: the bytes of the token's text as decoded alone (a piece of a character reads U+FFFD).
+    return {"token": text, "logprob": log_prob, "bytes": list(text.encode("utf-8"))}
+
+
 def _usage(chunk: Chunk) -> dict:
     return {"prompt_tokens": chunk.num_input_tokens, "completion_tokens": chunk.num_output_tokens,
             "total_tokens": chunk.num_input_tokens + chunk.num_output_tokens}
@@ -61,13 +66,23 @@ class ResponseFormat:
 
 
 class CompletionFormat(ResponseFormat):
-    def _logprobs(self, values: list[float]):
-        # Only the chosen tokens' values: the ensemble returns no token ids to name them by.
-        return {"token_logprobs": values, "tokens": None, "top_logprobs": None, "text_offset": None} \
-            if self.wants_logprobs else None
+    # Where the next token's text starts in the completion (text_offset), across a stream's chunks.
+    num_chars: int = 0
+
+    def _logprobs(self, top: list):
+        """OpenAI's legacy shape from the ensemble's top_log_probs ([text, log-probability,
+        [[text, log-probability], ...]] per token)."""
+        if not self.wants_logprobs:
+            return None
+        offsets = []
+        for text, _, _ in top:
+            offsets.append(self.num_chars)
+            self.num_chars += len(text)
+        return {"tokens": [t[0] for t in top], "token_logprobs": [t[1] for t in top],
+                "top_logprobs": [dict((text, lp) for text, lp in t[2]) for t in top], "text_offset": offsets}
 
     def _choice(self, c: Chunk) -> dict:
-        return {"index": 0, "text": c.text, "logprobs": self._logprobs(c.output_log_probs),
+        return {"index": 0, "text": c.text, "logprobs": self._logprobs(c.top_log_probs),
                 "finish_reason": self._finish_reason(c)}
 
     def whole(self, a: Chunk) -> dict:
@@ -86,10 +101,11 @@ class CompletionFormat(ResponseFormat):
 
 
 class ChatFormat(ResponseFormat):
-    def _logprobs(self, values: list[float]):
-        # Only the chosen tokens' values: the ensemble returns no token ids to name them by.
-        return {"content": [{"token": "", "logprob": v, "bytes": None, "top_logprobs": []} for v in values]} \
-            if self.wants_logprobs else None
+    def _logprobs(self, top: list):
+        if not self.wants_logprobs:
+            return None
+        return {"content": [{**_token(text, lp), "top_logprobs": [_token(*alt) for alt in alternatives]}
+                            for text, lp, alternatives in top]}
 
     def whole(self, a: Chunk) -> dict:
         message = {"role": "assistant", "content": a.text}
@@ -102,7 +118,7 @@ class ChatFormat(ResponseFormat):
             if calls:
                 message |= {"content": content, "tool_calls": [c.as_openai() for c in calls]}
                 called_tools = True
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(a.output_log_probs),
+        choice = {"index": 0, "message": message, "logprobs": self._logprobs(a.top_log_probs),
                   "finish_reason": openai_finish_reason(a.finish_reason, called_tools)}
         return self._envelope("chat.completion", [choice], _usage(a))
 
@@ -123,7 +139,7 @@ class ChatFormat(ResponseFormat):
         if c.text:
             delta["content"] = c.text
         choice = {"index": 0, "delta": delta,
-                  "logprobs": self._logprobs(c.output_log_probs), "finish_reason": self._finish_reason(c)}
+                  "logprobs": self._logprobs(c.top_log_probs), "finish_reason": self._finish_reason(c)}
         return self._envelope("chat.completion.chunk", [choice], _usage(c) if continuous_usage else None,
                               include_usage)
 

@@ -33,6 +33,8 @@ INT32_MAX = 2**31 - 1
 FLOAT32_MAX = float(np.finfo(np.float32).max)
 # OpenAI's limits on logit_bias (the engine holds the same: tritone.scheduling.request).
 MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS = 100.0, 300
+# OpenAI's most alternatives per token: completions' logprobs 5, chat's top_logprobs 20.
+MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20
 Float32 = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 
 
@@ -182,9 +184,8 @@ class CompletionRequest(_Sampling):
             raise RequestError("best_of must be 1", "best_of")
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
-        if self.logprobs is not None and self.logprobs > 1:
-            raise RequestError("logprobs may be 0 or 1: only the chosen tokens' log-probabilities are returned",
-                               "logprobs")
+        if self.logprobs is not None and self.logprobs > MAX_COMPLETION_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}", "logprobs")
 
     def ensemble_inputs(self) -> dict[str, np.ndarray]:
         prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
@@ -193,7 +194,7 @@ class CompletionRequest(_Sampling):
         inputs["text_input"] = np.array([[prompt.encode()]], dtype=object)
         inputs["apply_chat_template"] = np.array([[False]])
         if self.logprobs is not None:
-            inputs["return_log_probs"] = np.array([[True]])
+            inputs["num_top_log_probs"] = np.array([[self.logprobs]], dtype=np.int32)
         return inputs
 
     @property
@@ -218,8 +219,10 @@ class ChatCompletionRequest(_Sampling):
             if getattr(self, name) is not None:
                 raise RequestError(f"{name} is not supported: use tools and tool_choice", name)
         self._check_tools()
-        if self.top_logprobs:
-            raise RequestError("top_logprobs is not supported: only the chosen tokens' log-probabilities are returned",
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and self.top_logprobs > MAX_TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
                                "top_logprobs")
 
     def ensemble_inputs(self) -> dict[str, np.ndarray]:
@@ -230,7 +233,7 @@ class ChatCompletionRequest(_Sampling):
         if self.tools:
             inputs["tools"] = np.array([[json.dumps(self.tools).encode()]], dtype=object)
         if self.logprobs:
-            inputs["return_log_probs"] = np.array([[True]])
+            inputs["num_top_log_probs"] = np.array([[self.top_logprobs or 0]], dtype=np.int32)
         return inputs
 
     def tool_inputs(self, inputs: dict[str, np.ndarray], parser: str) -> None:

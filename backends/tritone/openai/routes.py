@@ -145,12 +145,12 @@ async def _events(fmt: ResponseFormat, first: Chunk, chunks: Generation, include
                     chunk.text += rest
                     if calls:
                         if chunk.text or thought:
-                            yield sse(fmt.delta(dataclasses.replace(chunk, finish_reason="", output_log_probs=[]),
-                                                include_usage, reasoning=thought))
+                            rest = dataclasses.replace(chunk, finish_reason="", output_log_probs=[], top_log_probs=[])
+                            yield sse(fmt.delta(rest, include_usage, reasoning=thought))
                             thought = ""
                         yield sse(fmt.tool_delta(calls, include_usage))
                         chunk = dataclasses.replace(chunk, text="")
-            if chunk.text or thought or chunk.output_log_probs or chunk.finish_reason:
+            if chunk.text or thought or chunk.top_log_probs or chunk.finish_reason:
                 yield sse(fmt.delta(chunk, include_usage, continuous_usage, reasoning=thought))
             if chunk.finish_reason:
                 break

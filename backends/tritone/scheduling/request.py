@@ -23,6 +23,8 @@ MAX_ABS_ADDITIVE_PENALTY = 2.0
 # OpenAI's limits on logit_bias: a bias in [-100, 100] for each of at most 300 tokens.
 MAX_LOGIT_BIAS = 100.0
 MAX_LOGIT_BIAS_TOKENS = 300
+# OpenAI's most top_logprobs (chat: 20; completions' logprobs allow 5).
+MAX_TOP_LOG_PROBS = 20
 
 
 class RequestStatus(enum.Enum):
@@ -48,6 +50,9 @@ class SamplingParams:
     seed: int | None = None
     bad_token_ids: list[list[int]] = field(default_factory=list)
     return_log_probs: bool = False
+    # The most likely tokens to return with each sampled one (None: none), with the sampled
+    # token's: log-probabilities of the model's raw logits (vLLM's default), before any transform.
+    num_top_log_probs: int | None = None
     # Token id -> what is added to its logit before anything else (OpenAI's logit_bias).
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Constrains the output to a JSON schema, regex, grammar or structural tag
@@ -88,6 +93,8 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         self._validate_logit_bias(vocab_size)
+        if self.num_top_log_probs is not None and not 0 <= self.num_top_log_probs <= MAX_TOP_LOG_PROBS:
+            raise ValueError(f"num_top_log_probs must be in [0, {MAX_TOP_LOG_PROBS}], got {self.num_top_log_probs}")
         for seq in self.bad_token_ids:
             if not seq or any(not 0 <= t < vocab_size for t in seq):
                 raise ValueError("bad_token_ids holds an empty or out-of-vocabulary sequence")
@@ -184,9 +191,23 @@ class RequestOutput:
     finished: bool
     finish_reason: FinishReason | None = None
     error: str | None = None
+    # Where the request asked for num_top_log_probs: one TopLogProbs per new token.
+    new_top_log_probs: list["TopLogProbs"] | None = None
 
 
-def request_output(request: Request, new_ids: list[int], new_lps: list[float], error: str | None = None) -> RequestOutput:
+@dataclass(slots=True)
+class TopLogProbs:
+    """A sampled token's raw log-probability and the most likely tokens' (ids, log-probabilities),
+    most likely first."""
+
+    log_prob: float
+    token_ids: list[int]
+    log_probs: list[float]
+
+
+def request_output(request: Request, new_ids: list[int], new_lps: list[float], error: str | None = None,
+                   new_top: list[TopLogProbs] | None = None) -> RequestOutput:
     return RequestOutput(request_id=request.request_id, new_token_ids=new_ids, new_log_probs=new_lps,
                          num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
-                         finished=request.is_finished, finish_reason=request.finish_reason, error=error)
+                         finished=request.is_finished, finish_reason=request.finish_reason, error=error,
+                         new_top_log_probs=new_top)

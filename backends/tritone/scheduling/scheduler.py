@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from tritone.config import EngineConfig
 from tritone.scheduling.block_manager import BlockManager
 from tritone.scheduling.request import PENDING_TOKEN, FinishReason, Request, RequestOutput, RequestStatus, \
-    request_output
+    TopLogProbs, request_output
 from tritone.scheduling.stats import EngineStats
 
 
@@ -141,15 +141,18 @@ class Scheduler:
             request.num_pending_tokens += 1
         return LaunchedStep(handle, out.scheduled, requests, indices, {id(r): row for row, r in enumerate(requests)})
 
-    def update_from_output(self, step: LaunchedStep, token_ids: list[int], log_probs: list[float]) -> list[RequestOutput]:
+    def update_from_output(self, step: LaunchedStep, token_ids: list[int], log_probs: list[float],
+                           top: dict[int, TopLogProbs] | None = None) -> list[RequestOutput]:
         """Applies a launched step's tokens: the one loop over a step's sampled tokens (fill the
-        placeholder, advance the grammar, check stop conditions, finish)."""
+        placeholder, advance the grammar, check stop conditions, finish). `top`: by row, the top
+        log-probabilities of the rows whose requests asked for them."""
         for item in step.scheduled:
             if not item.request.is_finished:
                 self.block_manager.cache_computed_blocks(item.request)  # its KV is written now
         outputs = []
         now = time.monotonic()
-        for request, index, token_id, log_prob in zip(step.requests, step.indices, token_ids, log_probs):
+        for row, (request, index, token_id, log_prob) in enumerate(zip(step.requests, step.indices, token_ids,
+                                                                      log_probs)):
             if request.is_finished:
                 continue  # aborted, or ended by its previous token: this one is dropped
             request.num_pending_tokens -= 1
@@ -173,7 +176,10 @@ class Scheduler:
                     new_ids, new_lps = [], []
                 self._truncate(request, index if reason == FinishReason.STOP else index + 1)
                 self.finish(request, reason)
-            outputs.append(request_output(request, new_ids, new_lps))
+            new_top = None
+            if request.params.num_top_log_probs is not None:
+                new_top = [top[row]] if new_ids and top and row in top else []
+            outputs.append(request_output(request, new_ids, new_lps, new_top=new_top))
         return outputs
 
     def abort(self, request_id: str, reason: FinishReason) -> Request | None:

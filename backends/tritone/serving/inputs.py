@@ -221,6 +221,7 @@ def parse_llm_request(get: Getter, server_key: bytes | None = None) -> LLMReques
         bad_token_ids=_word_ids(get, "BAD_WORDS_IDS"),
         return_log_probs=bool(scalar(get, "RETURN_LOG_PROBS", False)),
         logit_bias=parse_logit_bias(get),
+        num_top_log_probs=None if get("NUM_TOP_LOG_PROBS") is None else int(scalar(get, "NUM_TOP_LOG_PROBS")),
         guide=parse_guide(get),
     )
     return LLMRequest(

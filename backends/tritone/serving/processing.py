@@ -3,6 +3,8 @@ ids, and llm responses to text."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 
 from tritone.config import parameter
@@ -102,6 +104,7 @@ class Postprocessor:
 
     def __init__(self, detokenizer: Detokenizer, flow: FlowBoard | None = None):
         self.detokenizer, self.flow = detokenizer, flow
+        self._token_texts: dict[int, str] = {}
 
     @classmethod
     def from_parameters(cls, params: dict[str, str], flow: FlowBoard | None = None) -> "Postprocessor":
@@ -145,7 +148,33 @@ class Postprocessor:
         if log_probs is not None:  # only for requests that asked for them
             result["OUT_CUM_LOG_PROBS"] = log_probs[:1]
             result["OUT_OUTPUT_LOG_PROBS"] = log_probs[1:]
+        top = get("TOP_LOG_PROBS")
+        if top is not None:  # only for requests that asked for num_top_log_probs
+            result["OUT_TOP_LOG_PROBS"] = np.array([self.top_log_probs(new_ids, top, get("TOP_IDS")).encode()],
+                                                   np.object_)
         return result
+
+    def top_log_probs(self, new_ids: list[int], top: np.ndarray, top_ids: np.ndarray | None) -> str:
+        """JSON: for each generated token of the chunk, [its text, its log-probability, [[text,
+        log-probability] of the k most likely tokens]]; each token's text decoded alone, as vLLM
+        names tokens in log-probabilities."""
+        top_ids = np.zeros(0, np.int32) if top_ids is None else top_ids.reshape(-1)
+        n = top.size - top_ids.size
+        if n < 0 or n > len(new_ids) or (n and top_ids.size % n):
+            raise ValueError("top_log_probs and top_ids do not match token_ids")
+        k = top_ids.size // n if n else 0
+        rows, ids = top.reshape(n, k + 1).tolist(), top_ids.reshape(n, k).tolist()
+        entries = []
+        for token_id, row, alternatives in zip(new_ids[len(new_ids) - n:], rows, ids):
+            entries.append([self.token_text(token_id), row[0],
+                            [[self.token_text(t), lp] for t, lp in zip(alternatives, row[1:]) if t >= 0]])
+        return json.dumps(entries)
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.detokenizer.tokenizer.decode([token_id])
+        return text
 
     def text(self, new_ids: list[int], context_ids: list[int], state: ResponseState) -> str:
         text = self.detokenizer.delta(context_ids, new_ids, is_final=state.is_final,

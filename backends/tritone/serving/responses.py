@@ -76,6 +76,8 @@ class ResponseStream:
     ids: list[int] = field(default_factory=list)
     num_prompt_ids: int = 0
     log_probs: list[float] = field(default_factory=list)
+    # Where the request asked for num_top_log_probs: one TopLogProbs per generated token.
+    top_log_probs: list = field(default_factory=list)
     num_sent: int = 0
     stop: StopMatcher | None = None
     is_finished: bool = False
@@ -100,6 +102,7 @@ class ResponseStream:
             return None
         self.ids.extend(output.new_token_ids)
         self.log_probs.extend(output.new_log_probs)
+        self.top_log_probs.extend(output.new_top_log_probs or ())
         end, num_dropped, reason = len(self.ids), 0, output.finish_reason
         if self.stop is not None:
             stop_start = self.stop.feed(self.ids, output.finished)
@@ -137,7 +140,23 @@ class ResponseStream:
         tensors = {"TOKEN_IDS": np.array(new_ids, dtype=np.int32), "STATE": state.tensor(context)}
         if self.request.params.return_log_probs:
             tensors["LOG_PROBS"] = np.array([sum(self.log_probs[:last])] + self.log_probs[first:last], dtype=np.float32)
+        k = self.request.params.num_top_log_probs
+        if k is not None:
+            tensors.update(top_log_prob_tensors(self.top_log_probs[first:last], k))
         return tensors
+
+
+def top_log_prob_tensors(top: list, k: int) -> dict[str, np.ndarray]:
+    """TOP_LOG_PROBS [n, k + 1]: each generated token's raw log-probability, then the k most likely
+    tokens'; TOP_IDS [n, k]: those tokens. Rows are padded with -inf and -1 where the vocabulary
+    holds fewer than k tokens."""
+    log_probs = np.full((len(top), k + 1), -np.inf, dtype=np.float32)
+    ids = np.full((len(top), k), -1, dtype=np.int32)
+    for i, entry in enumerate(top):
+        log_probs[i, 0] = entry.log_prob
+        log_probs[i, 1:1 + len(entry.log_probs)] = entry.log_probs
+        ids[i, :len(entry.token_ids)] = entry.token_ids
+    return {"TOP_LOG_PROBS": log_probs.reshape(-1), "TOP_IDS": ids.reshape(-1)}
 
 
 def error_message(output: RequestOutput) -> str | None:
