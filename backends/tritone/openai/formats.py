@@ -66,34 +66,38 @@ class ResponseFormat:
 
 
 class CompletionFormat(ResponseFormat):
-    # Where the next token's text starts in the completion (text_offset), across a stream's chunks.
-    num_chars: int = 0
-
-    def _logprobs(self, top: list):
+    def _logprobs(self, top: list, index: int = 0):
         """OpenAI's legacy shape from the ensemble's top_log_probs ([text, log-probability,
         [[text, log-probability], ...]] per token)."""
         if not self.wants_logprobs:
             return None
+        # Where the next token's text starts in each choice (text_offset), across a stream's chunks.
+        num_chars = self.__dict__.setdefault("num_chars", {})
         offsets = []
         for text, _, _ in top:
-            offsets.append(self.num_chars)
-            self.num_chars += len(text)
+            offsets.append(num_chars.get(index, 0))
+            num_chars[index] = offsets[-1] + len(text)
         return {"tokens": [t[0] for t in top], "token_logprobs": [t[1] for t in top],
                 "top_logprobs": [dict((text, lp) for text, lp in t[2]) for t in top], "text_offset": offsets}
 
-    def _choice(self, c: Chunk) -> dict:
-        return {"index": 0, "text": c.text, "logprobs": self._logprobs(c.top_log_probs),
+    def _choice(self, c: Chunk, index: int = 0) -> dict:
+        return {"index": index, "text": c.text, "logprobs": self._logprobs(c.top_log_probs, index),
                 "finish_reason": self._finish_reason(c)}
 
     def whole(self, a: Chunk) -> dict:
         return self._envelope("text_completion", [self._choice(a)], _usage(a))
 
+    def wholes(self, answers: list[Chunk], usage: Chunk) -> dict:
+        """Several choices, indexed in order."""
+        return self._envelope("text_completion", [self._choice(a, i) for i, a in enumerate(answers)], _usage(usage))
+
     def start(self, include_usage: bool) -> dict:
         return self.delta(Chunk("", 0, 0, 0.0, [], ""), include_usage)
 
-    def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False, reasoning: str = "") -> dict:
+    def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False, reasoning: str = "",
+              index: int = 0) -> dict:
         # No reasoning_content in completions: as in vLLM, only chat is split (`reasoning` stays "").
-        return self._envelope("text_completion", [self._choice(c)], _usage(c) if continuous_usage else None,
+        return self._envelope("text_completion", [self._choice(c, index)], _usage(c) if continuous_usage else None,
                               include_usage)
 
     def usage(self, last: Chunk) -> dict:

@@ -35,6 +35,8 @@ FLOAT32_MAX = float(np.finfo(np.float32).max)
 MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS = 100.0, 300
 # OpenAI's most alternatives per token: completions' logprobs 5, chat's top_logprobs 20.
 MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20
+# Prompts of one completions request: each is a request of the engine's, all submitted at once.
+MAX_PROMPTS = 64
 Float32 = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 
 
@@ -176,8 +178,9 @@ class CompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if isinstance(self.prompt, list) and len(self.prompt) != 1:
-            raise RequestError("prompt must be one string: batches of prompts are not supported", "prompt")
+        if isinstance(self.prompt, list) and not 1 <= len(self.prompt) <= MAX_PROMPTS:
+            raise RequestError(f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings, got "
+                               f"{len(self.prompt)}", "prompt")
         if self.echo:
             raise RequestError("echo is not supported", "echo")
         if self.best_of not in (None, 1):
@@ -187,8 +190,12 @@ class CompletionRequest(_Sampling):
         if self.logprobs is not None and self.logprobs > MAX_COMPLETION_LOGPROBS:
             raise RequestError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}", "logprobs")
 
-    def ensemble_inputs(self) -> dict[str, np.ndarray]:
-        prompt = self.prompt if isinstance(self.prompt, str) else self.prompt[0]
+    @property
+    def prompts(self) -> list[str]:
+        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+
+    def ensemble_inputs(self, prompt: str | None = None) -> dict[str, np.ndarray]:
+        prompt = self.prompts[0] if prompt is None else prompt
         inputs = self.sampling_inputs(DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens)
         # A completion continues the text as it is: no chat template.
         inputs["text_input"] = np.array([[prompt.encode()]], dtype=object)

@@ -20,6 +20,7 @@ from starlette.exceptions import HTTPException
 
 from tritone_client.client import Chunk
 
+from tritone.openai import choices
 from tritone.openai.backend import Backend, Generation
 from tritone.openai.errors import RequestError, error_body
 from tritone.openai.formats import ChatFormat, CompletionFormat, ResponseFormat, sse
@@ -102,6 +103,8 @@ class OpenAIServer:
         fmt = format_cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), self.model_name, body.wants_logprobs,
                          self.tool_parser if calls_tools else None,
                          reasoning_parser=self.reasoning_parser if format_cls is ChatFormat else None)
+        if isinstance(body, CompletionRequest) and len(body.prompts) > 1:
+            return await self._serve_prompts(body, request, fmt)
         inputs = body.ensemble_inputs()
         if calls_tools:
             body.tool_inputs(inputs, self.tool_parser)
@@ -120,6 +123,18 @@ class OpenAIServer:
             chunks.close()
             raise
         return StreamingResponse(_events(fmt, first, chunks, body.include_usage, body.continuous_usage),
+                                 media_type="text/event-stream")
+
+    async def _serve_prompts(self, body: CompletionRequest, request: Request, fmt: CompletionFormat):
+        """A completion of several prompts: one generation each, submitted together; the choices
+        keep the prompts' order."""
+        generations = [self.backend.generate(f"{fmt.id}-{i}", body.ensemble_inputs(prompt), body.guide() and
+                                             body.guide()[0]) for i, prompt in enumerate(body.prompts)]
+        if not body.stream:
+            answers = await _unless_gone(request, choices.wholes(generations))
+            return fmt.wholes(answers, choices.total(answers))
+        firsts = await _unless_gone(request, choices.firsts(generations))
+        return StreamingResponse(choices.events(fmt, firsts, generations, body.include_usage, body.continuous_usage),
                                  media_type="text/event-stream")
 
 
