@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from tritone.executor.step import NewRequest, SamplingInput
+from tritone.scheduling.request import tokens_slice
 
 
 @dataclass(slots=True, eq=False)
@@ -47,12 +48,7 @@ class SamplingState:
             or p.frequency_penalty != 0.0
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_ids)
-        if end <= n:
-            return self.prompt_ids[start:end]
-        if start >= n:
-            return self.output_ids[start - n:end - n]
-        return self.prompt_ids[start:] + self.output_ids[:end - n]
+        return tokens_slice(self.prompt_ids, self.output_ids, start, end)
 
 
 class SamplingTable:

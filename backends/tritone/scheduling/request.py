@@ -171,12 +171,17 @@ class Request:
         return self.status == RequestStatus.FINISHED
 
     def tokens_slice(self, start: int, end: int) -> list[int]:
-        n = len(self.prompt_ids)
-        if end <= n:
-            return self.prompt_ids[start:end]
-        if start >= n:
-            return self.output_ids[start - n:end - n]
-        return self.prompt_ids[start:] + self.output_ids[:end - n]
+        return tokens_slice(self.prompt_ids, self.output_ids, start, end)
+
+
+def tokens_slice(prompt_ids: list[int], output_ids: list[int], start: int, end: int) -> list[int]:
+    """Tokens [start, end) of a sequence held as its prompt and its output, without joining them."""
+    n = len(prompt_ids)
+    if end <= n:
+        return prompt_ids[start:end]
+    if start >= n:
+        return output_ids[start - n:end - n]
+    return prompt_ids[start:] + output_ids[:end - n]
 
 
 @dataclass(slots=True)
