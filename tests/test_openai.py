@@ -161,7 +161,7 @@ def error_of(call) -> openai.APIStatusError:
     ({"temperature": -1.0}, 400, "temperature"),              # the engine's own message
     ({"max_tokens": 0}, 400, "max_tokens"),                   # the engine's own message
     ({"max_tokens": 10_000_000}, 400, "max_tokens"),          # the engine's own message
-    ({"n": 2}, 400, "n"),
+    ({"n": 9}, 400, "n"),
     ({"functions": [{"name": "f", "parameters": {}}]}, 400, "functions"),
     ({"tools": [{"type": "function", "function": {"name": "f", "parameters": []}}]}, 400, "tools[0]"),
     ({"top_logprobs": 21, "logprobs": True}, 400, "top_logprobs"),

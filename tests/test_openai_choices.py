@@ -59,3 +59,60 @@ def test_each_prompts_choice_equals_its_own_request(server, client, stream):  # 
         assert [c.index for c in answer.choices] == [0, 1, 2]
         texts = [c.text for c in answer.choices]
     assert texts == alone
+
+
+def test_n_sequences_draw_from_seed_plus_their_index():
+    app, backend = served()
+    response = post(app, "/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "Hi"}],
+                                                  "n": 3, "seed": 7})
+    body = response.json()
+    assert response.status == 200 and [c["index"] for c in body["choices"]] == [0, 1, 2]
+    assert [int(t["seed"][0, 0]) for t in backend.calls] == [7, 8, 9]
+    assert body["usage"]["prompt_tokens"] == 3 and body["usage"]["completion_tokens"] == 3
+    post(app, "/v1/completions", {"model": "tiny", "prompt": ["a", "b"], "n": 2, "seed": 2**64 - 1})
+    assert [int(t["seed"][0, 0]) for t in backend.calls[3:]] == [2**64 - 1, 0, 2**64 - 1, 0]
+
+
+def test_best_of_keeps_the_n_most_likely_sequences():
+    from tritone.openai.choices import best
+    from tritone_client.client import Chunk
+
+    answers = [Chunk(str(i), 3, 1, lp, [], "stop") for i, lp in enumerate([-3.0, -1.0, -2.0, -0.5, -9.0, -4.0])]
+    assert [a.text for a in best(answers, 3, 2)] == ["1", "2", "3", "5"]
+    app, backend = served()
+    response = post(app, "/v1/completions", {"model": "tiny", "prompt": "Hi", "n": 1, "best_of": 3})
+    assert response.status == 200 and len(response.json()["choices"]) == 1 and len(backend.calls) == 3
+    assert all(bool(t["return_log_probs"][0, 0]) for t in backend.calls)
+
+
+@pytest.mark.parametrize("path, fields, param", [
+    ("/v1/completions", {"n": 9}, "n"), ("/v1/completions", {"n": 3, "best_of": 2}, "best_of"),
+    ("/v1/completions", {"best_of": 9}, "best_of"), ("/v1/completions", {"best_of": 2, "stream": True}, "best_of"),
+    ("/v1/chat/completions", {"n": 0}, "n")])
+def test_n_and_best_of_are_bounded(path, fields, param):
+    app, backend = served()
+    body = {"model": "tiny", **({"prompt": "Hi"} if "chat" not in path else
+                                {"messages": [{"role": "user", "content": "Hi"}]}), **fields}
+    response = post(app, path, body)
+    assert response.status == 400 and response.error["param"] == param and backend.calls == []
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_seeded_choices_equal_single_requests_with_seeds_s_to_s_plus_2(server, client, stream):  # noqa: F811
+    kwargs = dict(model=server.model_dir.name, max_tokens=8, temperature=1.0)
+    alone = [client.completions.create(prompt=PROMPTS[0], seed=11 + i, **kwargs).choices[0].text for i in range(3)]
+    assert len(set(alone)) > 1  # the seeds differ, and so do their texts
+    if stream:
+        texts = ["", "", ""]
+        for chunk in client.completions.create(prompt=PROMPTS[0], seed=11, n=3, stream=True, **kwargs):
+            for choice in chunk.choices:
+                texts[choice.index] += choice.text
+    else:
+        texts = [c.text for c in client.completions.create(prompt=PROMPTS[0], seed=11, n=3, **kwargs).choices]
+    assert texts == alone
+    question = [{"role": "user", "content": "Name a colour."}]
+    chat_alone = [client.chat.completions.create(model=server.model_dir.name, messages=question, max_tokens=8,
+                                                 seed=11 + i).choices[0].message.content for i in range(3)]
+    chat = client.chat.completions.create(model=server.model_dir.name, messages=question, max_tokens=8, seed=11, n=3)
+    assert [c.message.content for c in chat.choices] == chat_alone

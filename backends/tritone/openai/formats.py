@@ -91,8 +91,8 @@ class CompletionFormat(ResponseFormat):
         """Several choices, indexed in order."""
         return self._envelope("text_completion", [self._choice(a, i) for i, a in enumerate(answers)], _usage(usage))
 
-    def start(self, include_usage: bool) -> dict:
-        return self.delta(Chunk("", 0, 0, 0.0, [], ""), include_usage)
+    def start(self, include_usage: bool, index: int = 0) -> dict:
+        return self.delta(Chunk("", 0, 0, 0.0, [], ""), include_usage, index=index)
 
     def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False, reasoning: str = "",
               index: int = 0) -> dict:
@@ -112,6 +112,14 @@ class ChatFormat(ResponseFormat):
                             for text, lp, alternatives in top]}
 
     def whole(self, a: Chunk) -> dict:
+        return self._envelope("chat.completion", [self._whole_choice(a)], _usage(a))
+
+    def wholes(self, answers: list[Chunk], usage: Chunk) -> dict:
+        """Several choices, indexed in order."""
+        return self._envelope("chat.completion", [self._whole_choice(a, i) for i, a in enumerate(answers)],
+                              _usage(usage))
+
+    def _whole_choice(self, a: Chunk, index: int = 0) -> dict:
         message = {"role": "assistant", "content": a.text}
         if self.reasoning_parser:  # vLLM's field, null where the model did not think
             thought, message["content"] = reasoning.split(self.reasoning_parser, a.text)
@@ -122,9 +130,8 @@ class ChatFormat(ResponseFormat):
             if calls:
                 message |= {"content": content, "tool_calls": [c.as_openai() for c in calls]}
                 called_tools = True
-        choice = {"index": 0, "message": message, "logprobs": self._logprobs(a.top_log_probs),
-                  "finish_reason": openai_finish_reason(a.finish_reason, called_tools)}
-        return self._envelope("chat.completion", [choice], _usage(a))
+        return {"index": index, "message": message, "logprobs": self._logprobs(a.top_log_probs),
+                "finish_reason": openai_finish_reason(a.finish_reason, called_tools)}
 
     def tool_delta(self, calls: list[ToolCall], include_usage: bool) -> dict:
         # Each call whole in one delta: its id, name and all its arguments.
@@ -133,16 +140,18 @@ class ChatFormat(ResponseFormat):
                   "logprobs": None, "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice], None, include_usage)
 
-    def start(self, include_usage: bool) -> dict:
-        choice = {"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None, "finish_reason": None}
+    def start(self, include_usage: bool, index: int = 0) -> dict:
+        choice = {"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                  "finish_reason": None}
         return self._envelope("chat.completion.chunk", [choice], with_usage_key=include_usage)
 
-    def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False, reasoning: str = "") -> dict:
+    def delta(self, c: Chunk, include_usage: bool, continuous_usage: bool = False, reasoning: str = "",
+              index: int = 0) -> dict:
         """A chunk's content delta, after its `reasoning` piece where it has one."""
         delta = {"reasoning_content": reasoning} if reasoning else {}
         if c.text:
             delta["content"] = c.text
-        choice = {"index": 0, "delta": delta,
+        choice = {"index": index, "delta": delta,
                   "logprobs": self._logprobs(c.top_log_probs), "finish_reason": self._finish_reason(c)}
         return self._envelope("chat.completion.chunk", [choice], _usage(c) if continuous_usage else None,
                               include_usage)

@@ -1,6 +1,6 @@
 """OpenAI's request bodies, checked, and what each becomes as `ensemble` inputs.
 
-Only what the engine can honour is accepted: an unsupported feature (n > 1, echo, ...) is refused
+Only what the engine can honour is accepted: an unsupported feature (echo, suffix, ...) is refused
 with a 400 that names it, and an unknown field is refused too, never ignored.
 
 Structured outputs take OpenAI's `response_format` and vLLM's extras (`guided_json`,
@@ -37,6 +37,8 @@ MAX_LOGIT_BIAS, MAX_LOGIT_BIAS_TOKENS = 100.0, 300
 MAX_COMPLETION_LOGPROBS, MAX_TOP_LOGPROBS = 5, 20
 # Prompts of one completions request: each is a request of the engine's, all submitted at once.
 MAX_PROMPTS = 64
+# Sequences per prompt (n, best_of): each is a request of the engine's.
+MAX_CHOICES = 8
 Float32 = Annotated[float, Field(allow_inf_nan=False, ge=-FLOAT32_MAX, le=FLOAT32_MAX)]
 
 
@@ -105,8 +107,8 @@ class _Sampling(BaseModel):
 
     def check_supported(self) -> None:
         self._check_sendable()
-        if self.n != 1:
-            raise RequestError("n must be 1: one choice per request is supported", "n")
+        if self.n > MAX_CHOICES:
+            raise RequestError(f"n must be in [1, {MAX_CHOICES}], got {self.n}", "n")
         self._check_logit_bias()
         if self.stream_options is not None and not self.stream:
             raise RequestError("stream_options is only allowed with stream: true", "stream_options")
@@ -123,9 +125,17 @@ class _Sampling(BaseModel):
             if not abs(value) <= MAX_LOGIT_BIAS:
                 raise RequestError(f"logit_bias of token {key} must be in [-100, 100], got {value}", "logit_bias")
 
-    def sampling_inputs(self, max_tokens: int) -> dict[str, np.ndarray]:
-        """The ensemble's sampling inputs. OpenAI samples at temperature 1 when none is given
-        (the ensemble alone would decode greedily, as TensorRT-LLM does)."""
+    @property
+    def num_seqs(self) -> int:
+        """Sequences to generate for each prompt: best_of where given, else n."""
+        return getattr(self, "best_of", None) or self.n
+
+    def sampling_inputs(self, max_tokens: int, index: int = 0) -> dict[str, np.ndarray]:
+        """The ensemble's sampling inputs for a prompt's `index`th sequence. OpenAI samples at
+        temperature 1 when none is given (the ensemble alone would decode greedily, as TensorRT-LLM
+        does). Sequence i of a seeded request draws from seed + i (modulo 2**64), so that n seeded
+        choices are the answers of single requests with those seeds."""
+        seed = None if self.seed is None else (self.seed + index) % (1 << 64)
         stop = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         values = {
             "max_tokens": (max_tokens, np.int32),
@@ -134,7 +144,7 @@ class _Sampling(BaseModel):
             "presence_penalty": (self.presence_penalty, np.float32),
             "frequency_penalty": (self.frequency_penalty, np.float32),
             "repetition_penalty": (self.repetition_penalty, np.float32),
-            "min_tokens": (self.min_tokens, np.int32), "seed": (self.seed, np.uint64),
+            "min_tokens": (self.min_tokens, np.int32), "seed": (seed, np.uint64),
             "end_id": (-1 if self.ignore_eos else None, np.int32),
             "stream": (self.stream, np.bool_),
         }
@@ -183,8 +193,10 @@ class CompletionRequest(_Sampling):
                                f"{len(self.prompt)}", "prompt")
         if self.echo:
             raise RequestError("echo is not supported", "echo")
-        if self.best_of not in (None, 1):
-            raise RequestError("best_of must be 1", "best_of")
+        if self.best_of is not None and not self.n <= self.best_of <= MAX_CHOICES:
+            raise RequestError(f"best_of must be in [n, {MAX_CHOICES}], got {self.best_of} with n {self.n}", "best_of")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise RequestError("best_of above n cannot be streamed (as in OpenAI's API)", "best_of")
         if self.suffix:
             raise RequestError("suffix is not supported", "suffix")
         if self.logprobs is not None and self.logprobs > MAX_COMPLETION_LOGPROBS:
@@ -194,14 +206,17 @@ class CompletionRequest(_Sampling):
     def prompts(self) -> list[str]:
         return [self.prompt] if isinstance(self.prompt, str) else self.prompt
 
-    def ensemble_inputs(self, prompt: str | None = None) -> dict[str, np.ndarray]:
+    def ensemble_inputs(self, prompt: str | None = None, index: int = 0) -> dict[str, np.ndarray]:
         prompt = self.prompts[0] if prompt is None else prompt
-        inputs = self.sampling_inputs(DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens)
+        max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
+        inputs = self.sampling_inputs(max_tokens, index)
         # A completion continues the text as it is: no chat template.
         inputs["text_input"] = np.array([[prompt.encode()]], dtype=object)
         inputs["apply_chat_template"] = np.array([[False]])
         if self.logprobs is not None:
             inputs["num_top_log_probs"] = np.array([[self.logprobs]], dtype=np.int32)
+        if self.num_seqs > self.n:  # best_of ranks by the cumulative log-probability
+            inputs["return_log_probs"] = np.array([[True]])
         return inputs
 
     @property
@@ -232,9 +247,9 @@ class ChatCompletionRequest(_Sampling):
             raise RequestError(f"top_logprobs must be in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs}",
                                "top_logprobs")
 
-    def ensemble_inputs(self) -> dict[str, np.ndarray]:
+    def ensemble_inputs(self, index: int = 0) -> dict[str, np.ndarray]:
         max_tokens = self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
-        inputs = self.sampling_inputs(DEFAULT_CHAT_MAX_TOKENS if max_tokens is None else max_tokens)
+        inputs = self.sampling_inputs(DEFAULT_CHAT_MAX_TOKENS if max_tokens is None else max_tokens, index)
         messages = [_plain_message(m, i) for i, m in enumerate(self.messages)]
         inputs["messages"] = np.array([[json.dumps(messages).encode()]], dtype=object)
         if self.tools:

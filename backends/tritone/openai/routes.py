@@ -103,15 +103,17 @@ class OpenAIServer:
         fmt = format_cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), self.model_name, body.wants_logprobs,
                          self.tool_parser if calls_tools else None,
                          reasoning_parser=self.reasoning_parser if format_cls is ChatFormat else None)
-        if isinstance(body, CompletionRequest) and len(body.prompts) > 1:
-            return await self._serve_prompts(body, request, fmt)
-        inputs = body.ensemble_inputs()
-        if calls_tools:
-            body.tool_inputs(inputs, self.tool_parser)
         guide = body.guide()
-        if fmt.reasoning_parser and "guided_decoding_guide_type" in inputs:
-            constrain_after_reasoning(inputs, fmt.reasoning_parser, "tools" if calls_tools else guide[0])
-        chunks = self.backend.generate(fmt.id, inputs, "tools" if calls_tools else guide and guide[0])
+        guide_field = "tools" if calls_tools else guide and guide[0]
+        prompts = body.prompts if isinstance(body, CompletionRequest) else [None]
+        choice_inputs = [self._inputs(body, fmt, calls_tools, guide, p, i)
+                         for p in prompts for i in range(body.num_seqs)]
+        if len(choice_inputs) > 1:
+            if body.stream and (calls_tools or fmt.reasoning_parser):
+                raise RequestError("a stream of several choices cannot be parsed for tool calls or reasoning: "
+                                   "set n to 1 or stream to false", "n")
+            return await self._serve_choices(body, request, fmt, choice_inputs, guide_field)
+        chunks = self.backend.generate(fmt.id, choice_inputs[0], guide_field)
         try:
             if not body.stream:
                 return fmt.whole(await _unless_gone(request, chunks.whole()))
@@ -125,16 +127,29 @@ class OpenAIServer:
         return StreamingResponse(_events(fmt, first, chunks, body.include_usage, body.continuous_usage),
                                  media_type="text/event-stream")
 
-    async def _serve_prompts(self, body: CompletionRequest, request: Request, fmt: CompletionFormat):
-        """A completion of several prompts: one generation each, submitted together; the choices
-        keep the prompts' order."""
-        generations = [self.backend.generate(f"{fmt.id}-{i}", body.ensemble_inputs(prompt), body.guide() and
-                                             body.guide()[0]) for i, prompt in enumerate(body.prompts)]
+    def _inputs(self, body, fmt: ResponseFormat, calls_tools: bool, guide, prompt: str | None, index: int) -> dict:
+        """The ensemble inputs of one sequence: the `index`th of its prompt (its own seed)."""
+        inputs = body.ensemble_inputs(prompt, index) if prompt is not None else body.ensemble_inputs(index=index)
+        if calls_tools:
+            body.tool_inputs(inputs, self.tool_parser)
+        if fmt.reasoning_parser and "guided_decoding_guide_type" in inputs:
+            constrain_after_reasoning(inputs, fmt.reasoning_parser, "tools" if calls_tools else guide[0])
+        return inputs
+
+    async def _serve_choices(self, body, request: Request, fmt: ResponseFormat, choice_inputs: list[dict],
+                             guide_field: str | None):
+        """Several sequences (prompts, n, best_of): one generation each, submitted together, so
+        that the engine batches them and prefix caching shares their prompt's full blocks once
+        the first has computed them; the choices keep the prompts' order, then the sequences'."""
+        generations = [self.backend.generate(f"{fmt.id}-{i}", inputs, guide_field)
+                       for i, inputs in enumerate(choice_inputs)]
         if not body.stream:
             answers = await _unless_gone(request, choices.wholes(generations))
-            return fmt.wholes(answers, choices.total(answers))
+            usage = choices.total(answers, body.num_seqs)
+            return fmt.wholes(choices.best(answers, body.num_seqs, body.n), usage)
         firsts = await _unless_gone(request, choices.firsts(generations))
-        return StreamingResponse(choices.events(fmt, firsts, generations, body.include_usage, body.continuous_usage),
+        return StreamingResponse(choices.events(fmt, firsts, generations, body.include_usage, body.continuous_usage,
+                                                body.num_seqs),
                                  media_type="text/event-stream")
 
 
