@@ -125,7 +125,10 @@ def test_declared_outputs_are_present_with_their_dtypes(server):
     client.start_stream(callback=lambda result, error: results.append((result, error)))
     client.async_stream_infer("ensemble", grpc_inputs(("text_input", np.array([[b"Hello"]], dtype=object), "BYTES"),
                                                       ("max_tokens", np.array([[4]], dtype=np.int32), "INT32"),
-                                                      ("return_log_probs", np.array([[True]]), "BOOL")))
+                                                      ("return_log_probs", np.array([[True]]), "BOOL"),
+                                                      # top_log_probs comes only when asked for
+                                                      ("num_top_log_probs", np.array([[2]], dtype=np.int32),
+                                                       "INT32")))
     client.stop_stream()
     client.close()
     (result, error), = results
