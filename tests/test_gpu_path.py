@@ -77,7 +77,6 @@ def test_staged_inputs_arrive_whole_step_after_step():
 
     staging = HostStaging(torch.device("cpu"), 1024, pinned=True)
     rng = np.random.default_rng(0)
-    kept = []
     for step in range(5):
         staging.begin_step()
         arrays = [rng.integers(0, 1 << 40, size=7), rng.integers(0, 99, size=(3, 5)).astype(np.int32),
@@ -86,7 +85,6 @@ def test_staged_inputs_arrive_whole_step_after_step():
         staging.end_step()
         for a, g in zip(arrays, got):
             assert np.array_equal(g.numpy(), a) and g.dtype == torch.from_numpy(a).dtype
-        kept.append((arrays, [g.clone() for g in got]))
     staging.begin_step()
     big = np.arange(1000, dtype=np.int64)
     assert np.array_equal(staging.to_device(big).numpy(), big)

@@ -65,7 +65,7 @@ def profile_kv_budget(model, device: torch.device, config: EngineConfig, hf_conf
     the largest step (max_num_batched_tokens tokens) on a scratch cache, then
     gpu_memory_utilization of the device's total memory less the weights, the peak that step
     reached and what other processes hold. The graphs captured later live in what is left."""
-    free_before, total = torch.cuda.mem_get_info(device)
+    _, total = torch.cuda.mem_get_info(device)
     torch.cuda.synchronize(device)
     torch.cuda.reset_peak_memory_stats(device)
     baseline = torch.cuda.memory_allocated(device)
