@@ -23,9 +23,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = pathlib.Path(__file__).parent / "csrc"
-_SOURCES = [_CSRC / name for name in ("pool.c", "paged_attention.c", "gemm.c", "argmax.c", "sample.c", "llama.c",
-                                            "shm_comm.c")]
-# Every header, not a list: a header the list missed would leave a stale library in the cache.
+_SOURCES = sorted(_CSRC.glob("*.c"))
+# Every file, not a list: a header a list missed would leave a stale library in the cache, a source
+# a list missed an undefined symbol.
 _HEADERS = sorted(_CSRC.glob("*.h"))
 # Reassociation lets the compiler vectorize the dot products; no full -ffast-math, so that
 # infinities and NaNs keep their meaning.

@@ -1,0 +1,184 @@
+/* The vector arithmetic of paged_attention.c: a cached row's elements as floats (float32 or bf16
+ * rows), dot products, eight keys' scores at once, shifted exponentials, and the running sums of
+ * values. Static inline, for paged_attention.c alone: its loops inline them with the head size
+ * and cache dtype constant. */
+#ifndef TRITONE_ATTENTION_VEC_H
+#define TRITONE_ATTENTION_VEC_H
+#include <math.h>
+#include <stdint.h>
+#include "vexp.h"
+#include "bf16.h"
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#endif
+
+/* Eight floats as one value (GCC and Clang vector extensions: the compiler maps them to the
+ * machine's vector registers, AVX2 or AVX-512 halves, NEON pairs); aligned(4) allows any address. */
+typedef float v8 __attribute__((vector_size(32), aligned(4)));
+
+/* Elements [d, d + 8) of a cached row as floats; bf16 is a constant where this is inlined. */
+static inline __attribute__((always_inline)) v8 load8(const void *row, int d, const int bf16) {
+    if (!bf16) return *(const v8 *)((const float *)row + d);
+    v8 out;
+    bf16_to_f32_row((const uint16_t *)row + d, (float *)&out, 8);
+    return out;
+}
+
+static inline __attribute__((always_inline)) float dot(const float *x, const void *y, int D, const int bf16) {
+    v8 acc = {0};
+    for (int d = 0; d < D; d += 8) acc += *(const v8 *)(x + d) * load8(y, d, bf16);
+    return ((acc[0] + acc[4]) + (acc[1] + acc[5])) + ((acc[2] + acc[6]) + (acc[3] + acc[7]));
+}
+
+/* out = sum over t of p[t] * v_rows[t], divided by `sum`: one query row's output from its
+ * unnormalized softmax weights. */
+static inline __attribute__((always_inline)) void weighted_values(const float *p, const void *const *v_rows, int n,
+                                                                float sum, float *out, const int D,
+                                                                const int bf16) {
+    v8 acc[32]; /* head_dim / 8 of them; in registers when D is a small constant */
+    for (int i = 0; i < D / 8; i++) acc[i] = (v8){0};
+    for (int t = 0; t < n; t++) {
+        const v8 pt = (v8){0} + p[t];
+        const void *v = v_rows[t];
+        for (int i = 0; i < D / 8; i++) acc[i] += pt * load8(v, 8 * i, bf16);
+    }
+    const v8 inv = (v8){0} + 1.f / sum;
+    for (int i = 0; i < D / 8; i++) *(v8 *)(out + 8 * i) = acc[i] * inv;
+}
+
+/* A decode: one sequence's single new token, every head. The query heads of a KV head's group
+ * all read that head's keys and values, so each group is done together while its rows are in
+ * cache. Work per key is small (a 64-wide dot product and a multiply-add), so what limits a
+ * decode is memory and the latency of dependent arithmetic: scores are computed eight keys at a
+ * time with eight independent accumulators, and exponentials eight at a time. */
+#if defined(__AVX2__) && defined(__FMA__)
+/* scale * (q . k[j]) for eight keys into out[0..8). */
+static inline __attribute__((always_inline)) void scores8(const float *q, const void *const *k, int D, float scale,
+                                                        float *out, const int bf16) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int d = 0; d < D; d += 8) {
+        const __m256 qv = _mm256_loadu_ps(q + d);
+        a0 = _mm256_fmadd_ps(qv, (__m256)load8(k[0], d, bf16), a0);
+        a1 = _mm256_fmadd_ps(qv, (__m256)load8(k[1], d, bf16), a1);
+        a2 = _mm256_fmadd_ps(qv, (__m256)load8(k[2], d, bf16), a2);
+        a3 = _mm256_fmadd_ps(qv, (__m256)load8(k[3], d, bf16), a3);
+        a4 = _mm256_fmadd_ps(qv, (__m256)load8(k[4], d, bf16), a4);
+        a5 = _mm256_fmadd_ps(qv, (__m256)load8(k[5], d, bf16), a5);
+        a6 = _mm256_fmadd_ps(qv, (__m256)load8(k[6], d, bf16), a6);
+        a7 = _mm256_fmadd_ps(qv, (__m256)load8(k[7], d, bf16), a7);
+    }
+    /* Eight sums at once: pairwise adds leave [k0..k3 low halves | k0..k3 high halves] and the
+     * same for k4..k7; the two 128-bit halves then add up. */
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(a0, a1), _mm256_hadd_ps(a2, a3));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(a4, a5), _mm256_hadd_ps(a6, a7));
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+
+/* exp(sr[t] - m) in place for t < n; returns their sum. */
+static inline float exp_shifted(float *sr, int n, float m) {
+    const __m256 vm = _mm256_set1_ps(m);
+    __m256 vsum = _mm256_setzero_ps();
+    int t = 0;
+    for (; t + 8 <= n; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(sr + t), vm));
+        _mm256_storeu_ps(sr + t, e);
+        vsum = _mm256_add_ps(vsum, e);
+    }
+    float sums[8];
+    _mm256_storeu_ps(sums, vsum);
+    float sum = ((sums[0] + sums[4]) + (sums[1] + sums[5])) + ((sums[2] + sums[6]) + (sums[3] + sums[7]));
+    for (; t < n; t++) {
+        sr[t] = expf(sr[t] - m);
+        sum += sr[t];
+    }
+    return sum;
+}
+
+static inline float max_of(const float *sr, int n) {
+    __m256 vmax = _mm256_set1_ps(-INFINITY);
+    int t = 0;
+    for (; t + 8 <= n; t += 8) vmax = _mm256_max_ps(vmax, _mm256_loadu_ps(sr + t));
+    float m[8];
+    _mm256_storeu_ps(m, vmax);
+    float max = m[0];
+    for (int i = 1; i < 8; i++) max = m[i] > max ? m[i] : max;
+    for (; t < n; t++) max = sr[t] > max ? sr[t] : max;
+    return max;
+}
+
+/* acc = acc * corr + sum over t of p[t] * v_rows[t]: one query row's running output over a
+ * block of keys (online softmax). */
+static inline __attribute__((always_inline)) void accumulate_values(const float *p, const void *const *v_rows, int n,
+                                                                  float corr, float *acc_row, const int D,
+                                                                  const int bf16) {
+    v8 acc[32];
+    const v8 c = (v8){0} + corr;
+    for (int i = 0; i < D / 8; i++) acc[i] = *(const v8 *)(acc_row + 8 * i) * c;
+    for (int t = 0; t < n; t++) {
+        const v8 pt = (v8){0} + p[t];
+        const void *v = v_rows[t];
+        for (int i = 0; i < D / 8; i++) acc[i] += pt * load8(v, 8 * i, bf16);
+    }
+    for (int i = 0; i < D / 8; i++) *(v8 *)(acc_row + 8 * i) = acc[i];
+}
+#if defined(__AVX512BF16__) && defined(__AVX512DQ__)
+/* A bf16 cache on AVX-512: sixteen elements a vector, converted as they are loaded (a bf16 is the
+ * top half of a float: a widening move and a shift). Half the instructions of the eight-wide
+ * path: decode attention of 128 sequences of 160 tokens, 30 layers, 18.5 -> 12.0 ms. */
+#define WIDE_BF16 1
+static inline __attribute__((always_inline)) __m512 load16_bf16(const void *row, int d) {
+    const __m256i h = _mm256_loadu_si256((const __m256i *)((const uint16_t *)row + d));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __attribute__((always_inline)) __m256 halves(__m512 x) {
+    return _mm256_add_ps(_mm512_castps512_ps256(x), _mm512_extractf32x8_ps(x, 1));
+}
+
+/* scores8 for bf16 rows, D a multiple of 16. */
+static inline __attribute__((always_inline)) void scores8_wide(const float *q, const void *const *k, int D,
+                                                             float scale, float *out) {
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    for (int d = 0; d < D; d += 16) {
+        const __m512 qv = _mm512_loadu_ps(q + d);
+        a0 = _mm512_fmadd_ps(qv, load16_bf16(k[0], d), a0);
+        a1 = _mm512_fmadd_ps(qv, load16_bf16(k[1], d), a1);
+        a2 = _mm512_fmadd_ps(qv, load16_bf16(k[2], d), a2);
+        a3 = _mm512_fmadd_ps(qv, load16_bf16(k[3], d), a3);
+        a4 = _mm512_fmadd_ps(qv, load16_bf16(k[4], d), a4);
+        a5 = _mm512_fmadd_ps(qv, load16_bf16(k[5], d), a5);
+        a6 = _mm512_fmadd_ps(qv, load16_bf16(k[6], d), a6);
+        a7 = _mm512_fmadd_ps(qv, load16_bf16(k[7], d), a7);
+    }
+    const __m256 h0 = _mm256_hadd_ps(_mm256_hadd_ps(halves(a0), halves(a1)), _mm256_hadd_ps(halves(a2), halves(a3)));
+    const __m256 h1 = _mm256_hadd_ps(_mm256_hadd_ps(halves(a4), halves(a5)), _mm256_hadd_ps(halves(a6), halves(a7)));
+    const __m256 sum = _mm256_add_ps(_mm256_permute2f128_ps(h0, h1, 0x20), _mm256_permute2f128_ps(h0, h1, 0x31));
+    _mm256_storeu_ps(out, _mm256_mul_ps(sum, _mm256_set1_ps(scale)));
+}
+
+/* accumulate_values for bf16 rows, D a multiple of 16. */
+static inline __attribute__((always_inline)) void accumulate_values_wide(const float *p, const void *const *v_rows,
+                                                                       int n, float corr, float *acc_row,
+                                                                       const int D) {
+    __m512 acc[16];
+    const __m512 c = _mm512_set1_ps(corr);
+    for (int i = 0; i < D / 16; i++) acc[i] = _mm512_mul_ps(_mm512_loadu_ps(acc_row + 16 * i), c);
+    for (int t = 0; t < n; t++) {
+        const __m512 pt = _mm512_set1_ps(p[t]);
+        for (int i = 0; i < D / 16; i++) acc[i] = _mm512_fmadd_ps(pt, load16_bf16(v_rows[t], 16 * i), acc[i]);
+    }
+    for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(acc_row + 16 * i, acc[i]);
+}
+#else
+#define WIDE_BF16 0
+#define scores8_wide(q, k, D, scale, out) scores8(q, k, D, scale, out, 1)
+#define accumulate_values_wide(p, v_rows, n, corr, acc_row, D) accumulate_values(p, v_rows, n, corr, acc_row, D, 1)
+#endif
+#define HAVE_DECODE_KERNEL 1
+#define IS_DECODE(q_len) ((q_len) == 1)
+#else
+#define IS_DECODE(q_len) 0
+#endif
+
+#endif

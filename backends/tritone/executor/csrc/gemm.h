@@ -1,0 +1,55 @@
+/* What gemm.c's driver and its kernels share: the kernels' geometry and the plan of a GEMM's work.
+ * Internal to csrc/; kernels.h declares what is exported. */
+#ifndef TRITONE_GEMM_H
+#define TRITONE_GEMM_H
+#include <stddef.h>
+#include <stdint.h>
+
+#define NR_BF16 32 /* columns per bf16 panel (both the AVX512-BF16 and the AMX kernels) */
+/* Panels per claim: runs long enough to stream from memory in order, short enough that the
+ * threads finish together. */
+#define CHUNK 4
+
+#if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#define HAVE_AMX 1
+#endif
+
+/* One kernel's geometry for the shared driver. `rows` computes rows [0, M) of A times one panel
+ * into c (rows of N floats, ncols of them valid), adding bias where set, prefetching `next`. */
+typedef struct {
+    int nr, mr;            /* columns per panel, rows per tile */
+    size_t elem;           /* bytes per element of A and of a panel */
+    int k_pad;             /* K rounded up to a multiple of this in A's rows and in panels */
+    void (*rows)(const void *a, int M, int K, int N, const void *panel, float *c, int ncols, const float *bias,
+                 const void *next);
+} Kernel;
+
+extern const Kernel gemm_kernel_f32; /* gemm_tiles.c */
+#if defined(__AVX512BF16__)
+extern const Kernel gemm_kernel_bf16; /* gemm_tiles.c */
+#endif
+#if defined(HAVE_AMX)
+extern const Kernel gemm_kernel_amx; /* gemm_amx.c */
+#endif
+
+/* The bf16 kernel for a reduction of K: AMX's where asked for, allowed and K is whole tiles of
+ * it; NULL where the CPU has no bf16 kernel. */
+const Kernel *gemm_bf16_kernel(int amx, int K);
+
+/* Work shared by gemm_* and gemm_*_argmax: item i is run i % chunks of panels over row block
+ * i / chunks. */
+typedef struct {
+    const Kernel *kn;
+    int M, K, N, Kp, P, chunks, mc, items;
+    size_t panel_bytes, a_row_bytes;
+} Plan;
+
+Plan gemm_plan(const Kernel *kn, int M, int K, int N);
+
+/* Runs item `item` of `pl`: its panels' products into c (rows of ldc), each at its columns, or,
+ * where per_panel is set, each at c's column 0 and handed to per_panel(ctx, ...) before the next
+ * panel overwrites it. next_item is the thread's following item, for prefetching. */
+void gemm_run_item(const Plan *pl, const void *a, const void *panels, const float *bias, float *c, int ldc,
+                   int item, int next_item, void (*per_panel)(void *, int p, int m0, int mb, int ncols), void *ctx);
+
+#endif
