@@ -26,6 +26,8 @@ def _other_value(option: Option):
         return not option.default
     if option.name == "device":
         return "cpu"
+    if option.name == "lora_modules":
+        return "adapter=/adapters/one,other=/adapters/two"
     if option.type is float:
         return option.default / 2
     return option.default + 3

@@ -126,8 +126,11 @@ def test_declared_outputs_are_present_with_their_dtypes(server):
     client.async_stream_infer("ensemble", grpc_inputs(("text_input", np.array([[b"Hello"]], dtype=object), "BYTES"),
                                                       ("max_tokens", np.array([[4]], dtype=np.int32), "INT32"),
                                                       ("return_log_probs", np.array([[True]]), "BOOL"),
-                                                      # top_log_probs comes only when asked for
+                                                      # top_log_probs and prompt_log_probs come only
+                                                      # when asked for
                                                       ("num_top_log_probs", np.array([[2]], dtype=np.int32),
+                                                       "INT32"),
+                                                      ("num_prompt_log_probs", np.array([[1]], dtype=np.int32),
                                                        "INT32")))
     client.stop_stream()
     client.close()

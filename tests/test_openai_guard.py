@@ -156,9 +156,9 @@ class FakeBackend:
         self.aborted: list[str] = []
         self.aborts = set()
 
-    def generate(self, request_id, tensors, guide_field=None):
+    def generate(self, request_id, tensors, guide_field=None, echo=None):
         self.calls.append(tensors)
-        return Generation(self, request_id, FakeStream(self.responses, self.fail), guide_field)
+        return Generation(self, request_id, FakeStream(self.responses, self.fail), guide_field, echo)
 
     def _abort_later(self, request_id):
         self.aborted.append(request_id)

@@ -77,6 +77,29 @@ def _fraction_problem(value: float) -> str | None:
     return None if 0.0 < value <= 1.0 else "must be in (0, 1]"
 
 
+def parse_lora_modules(text: str) -> list[tuple[str, str]]:
+    """`name=path,name=path` (--lora-modules) as (name, path) pairs, in order: adapter i (from 1)
+    is the i-th. ValueError for a malformed or repeated entry."""
+    modules = []
+    for item in filter(None, (part.strip() for part in text.split(","))):
+        name, sep, path = item.partition("=")
+        if not sep or not name.strip() or not path.strip():
+            raise ValueError(f"expected name=path, got {item!r}")
+        modules.append((name.strip(), path.strip()))
+    names = [name for name, _ in modules]
+    if len(set(names)) != len(names):
+        raise ValueError("names an adapter twice")
+    return modules
+
+
+def _lora_modules_problem(value: str) -> str | None:
+    try:
+        parse_lora_modules(value)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
 OPTIONS: tuple[Option, ...] = (
     Option("device", str, "auto", "auto, cpu or cuda[:N]", check=_device_problem),
     Option("dtype", str, "auto", "auto (measured per machine), float32, bfloat16 or float16",
@@ -125,6 +148,12 @@ OPTIONS: tuple[Option, ...] = (
            "equal slices of the CPU cores (Llama-family models; heads split by KV head)", minimum=1),
     Option("data_parallel_size", int, 1, "run this many independent engines behind the one llm model, each request "
            "sent to the one holding its prompt's prefix or with the most free KV cache", minimum=1),
+    Option("lora_modules", str, "", "LoRA adapters to serve beside the base model, PEFT checkpoints as "
+           "name=path,name=path: a request picks one by the OpenAI model name or the ensemble's lora_task_id "
+           "(its place in this list, from 1; 0 or none: the base model)", check=_lora_modules_problem),
+    Option("max_loras", int, 4, "adapter slots: the most --lora-modules (each step computes every slot's "
+           "low-rank product, so fewer is faster)", minimum=1),
+    Option("max_lora_rank", int, 16, "largest LoRA rank accepted", minimum=1),
     # Options of the text stages, which the engine does not read.
     Option("stream_interval", int, 1, "tokens per streamed response, except the first and the last (1: every "
            "token); larger values send fewer responses, each with more text", minimum=1, engine=False),

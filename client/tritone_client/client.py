@@ -14,10 +14,10 @@ import numpy as np
 # Input name -> numpy dtype, as the ensemble declares them (TensorRT-LLM's names and dtypes).
 INPUT_DTYPES = {
     "max_tokens": np.int32, "end_id": np.int32, "pad_id": np.int32, "top_k": np.int32,
-    "min_tokens": np.int32, "min_length": np.int32,
+    "min_tokens": np.int32, "min_length": np.int32, "num_top_log_probs": np.int32, "num_prompt_log_probs": np.int32,
     "top_p": np.float32, "min_p": np.float32, "temperature": np.float32,
     "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
-    "seed": np.uint64, "random_seed": np.uint64,
+    "seed": np.uint64, "random_seed": np.uint64, "lora_task_id": np.uint64,
     "stream": np.bool_, "return_log_probs": np.bool_, "exclude_input_in_output": np.bool_,
     "skip_special_tokens": np.bool_, "apply_chat_template": np.bool_,
     "return_num_input_tokens": np.bool_, "return_num_output_tokens": np.bool_,
@@ -42,6 +42,9 @@ class Chunk:
     # With num_top_log_probs: for each token, [its text, its log-probability, [[text,
     # log-probability] of the most likely tokens]].
     top_log_probs: list = field(default_factory=list)
+    # With num_prompt_log_probs, in the first response: for each prompt token, [its text, its
+    # log-probability (None for the first), [[text, log-probability] of the most likely tokens]].
+    prompt_log_probs: list = field(default_factory=list)
 
 
 class TritoneClient:
@@ -198,4 +201,5 @@ def read_chunk(get) -> Chunk:
         output_log_probs=[] if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1).tolist(),
         finish_reason=first("finish_reason", ""),
         top_log_probs=json.loads(first("top_log_probs", "[]")),
+        prompt_log_probs=json.loads(first("prompt_log_probs", "[]")),
     )

@@ -11,7 +11,7 @@ import numpy as np
 import torch
 from transformers import GenerationConfig
 
-from tritone.config import EngineConfig
+from tritone.config import EngineConfig, parse_lora_modules
 from tritone.executor import Runner, make_runner
 from tritone.executor.step import NewRequest, PendingTokens, SamplingInput
 from tritone.scheduling.block_manager import BlockManager
@@ -52,6 +52,7 @@ class LLMEngine:
         self.stats = EngineStats()
         self.scheduler = Scheduler(config, self.block_manager, self.runner.max_model_len, self.stats)
         self.default_end_ids = model_end_ids(config.model, self.runner.hf_config)
+        self.num_adapters = len(parse_lora_modules(config.lora_modules))
         self.grammars = Grammars(config.model, self.vocab_size, list(self.default_end_ids))
         # Guided requests whose grammar is still compiling.
         self._compiling: list[Request] = []
@@ -77,6 +78,9 @@ class LLMEngine:
         params.validate(self.vocab_size)
         if params.guide is not None:
             params.guide.check()
+        if params.lora_id > self.num_adapters:
+            raise ValueError(f"lora_task_id {params.lora_id} names no adapter: this server has {self.num_adapters} "
+                             f"(--lora-modules)")
         if not prompt_ids:
             raise ValueError("input_ids is empty: the prompt must have at least one token")
         if any(not 0 <= t < self.vocab_size for t in prompt_ids):
@@ -247,8 +251,10 @@ class LLMEngine:
         t0 = time.perf_counter()
         token_ids, log_probs = launched.handle.result()
         t1 = time.perf_counter()
-        top = launched.handle.top.by_row() if getattr(launched.handle, "top", None) is not None else None
-        outputs = self.scheduler.update_from_output(launched, token_ids, log_probs, top)
+        handle = launched.handle
+        top = handle.top.by_row() if handle.top is not None else None
+        scores = handle.scores.by_row() if handle.scores is not None else None
+        outputs = self.scheduler.update_from_output(launched, token_ids, log_probs, top, scores)
         t2 = time.perf_counter()
         self.stats.num_steps += 1
         self.stats.phase_seconds["forward"] += t1 - t0  # the device's time not hidden behind the host's

@@ -78,11 +78,16 @@ def prepare_step(block_rows: BlockTableRows, block_size: int, batch, sample_rows
     row_of = block_rows.row_of
     ids = []
     num_decodes = 0
+    lora_ids = None
     # The one loop over the batch's requests.
     for i, item in enumerate(scheduled):
         request, start = item.request, int(starts[i])
         ids.extend(request.tokens_slice(start, start + item.num_tokens))
         rows[i] = row_of(request)
+        if request.params.lora_id:
+            if lora_ids is None:
+                lora_ids = np.zeros(num_seqs, dtype=np.int32)
+            lora_ids[i] = request.params.lora_id
         if item.num_tokens == 1 and num_decodes == i:
             num_decodes += 1
     tables = block_rows.table[rows, :max_blocks]
@@ -90,5 +95,15 @@ def prepare_step(block_rows: BlockTableRows, block_size: int, batch, sample_rows
     positions = np.arange(num_tokens) - query_start[seq_of_token] + starts[seq_of_token]
     slots = tables[seq_of_token, positions // bs].astype(np.int64) * bs + positions % bs
     logits_indices = query_start[1:][sample_rows] - 1
+    score_targets, score_k = None, 0
+    if batch.prompt_scores:  # the scored positions' rows after the sampled ones, and their next tokens
+        rows_, targets = [logits_indices], []
+        for i, first, count in batch.prompt_scores:
+            request = scheduled[i].request
+            rows_.append(query_start[i] + first - starts[i] + np.arange(count))
+            targets.extend(request.prompt_ids[first + 1:first + 1 + count])
+            score_k = max(score_k, request.params.prompt_log_probs)
+        logits_indices = np.concatenate(rows_)
+        score_targets = np.asarray(targets, dtype=np.int64)
     return StepInput(np.asarray(ids, dtype=np.int64), positions, slots, tables, query_start.astype(np.int32),
-                     seq_lens.astype(np.int32), logits_indices, num_decodes)
+                     seq_lens.astype(np.int32), logits_indices, num_decodes, score_targets, score_k, lora_ids)

@@ -115,11 +115,23 @@ class Linear(nn.Module):
         self.bias = nn.Parameter(torch.empty(out_features, dtype=dtype), requires_grad=False) if bias else None
         self.register_buffer("packed", None, persistent=False)  # the op's index of `packed_linear`
         self.packed_linear: gemm.PackedLinear | None = None
+        # LoRA adapters stacked (lora.py): A [in, slots * width], B [slots * width, out], or None.
+        self.register_buffer("lora_a", None, persistent=False)
+        self.register_buffer("lora_b", None, persistent=False)
+        self.lora_width = 0
 
     def prepack(self, choice: str) -> None:
         self.packed_linear, self.packed = gemm.pack(self.weight, choice)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
+        """`lora`: each token's one-hot adapter slot [tokens, slots] where adapters are loaded."""
+        y = self._base(x)
+        if lora is not None and self.lora_a is not None:
+            mask = lora.repeat_interleave(self.lora_width, dim=1)
+            y = y + torch.mm(torch.mm(x, self.lora_a) * mask, self.lora_b)
+        return y
+
+    def _base(self, x: torch.Tensor) -> torch.Tensor:
         if self.packed is not None:
             if torch.compiler.is_compiling():  # the op keeps the kernel call opaque to the graph
                 return gemm.linear(x, self.weight, self.bias, self.packed)
@@ -172,9 +184,10 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype) if spec.qk_norm else None
         self.k_norm = RMSNorm(spec.head_dim, spec.rms_norm_eps, dtype) if spec.qk_norm else None
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                lora: torch.Tensor | None = None) -> torch.Tensor:
         n = x.shape[0]
-        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q, k, v = self.qkv_proj(x, lora).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.reshape(n, self.num_heads, self.head_dim)
         k = k.reshape(n, self.num_kv_heads, self.head_dim)
         v = v.reshape(n, self.num_kv_heads, self.head_dim)
@@ -182,7 +195,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
         o = paged_attention(q, k, v, self.layer_idx, self.scale)
-        o = self.o_proj(o.reshape(n, self.q_size))
+        o = self.o_proj(o.reshape(n, self.q_size), lora)
         return o if self.all_reduce is None else self.all_reduce(o)
 
 
@@ -194,9 +207,9 @@ class MLP(nn.Module):
         self.gate_up_proj = Linear(spec.hidden_size, 2 * spec.intermediate_size, spec.mlp_bias, dtype)
         self.down_proj = Linear(spec.intermediate_size, spec.hidden_size, spec.mlp_bias, dtype)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_up_proj(x).split(self.intermediate_size, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
+    def forward(self, x: torch.Tensor, lora: torch.Tensor | None = None) -> torch.Tensor:
+        gate, up = self.gate_up_proj(x, lora).split(self.intermediate_size, dim=-1)
+        out = self.down_proj(F.silu(gate) * up, lora)
         return out if self.all_reduce is None else self.all_reduce(out)
 
 
@@ -208,13 +221,14 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
         self.post_attention_layernorm = RMSNorm(spec.hidden_size, spec.rms_norm_eps, dtype)
 
-    def forward(self, x, residual, cos, sin):
+    def forward(self, x, residual, cos, sin, lora=None):
         """(this layer's output, the residual stream before it); the first layer gets a zero
-        residual, so that every layer runs the same code and one compiled graph serves all."""
+        residual, so that every layer runs the same code and one compiled graph serves all.
+        `lora`: each token's adapter slot, one-hot, where adapters are loaded (lora.py)."""
         x, residual = self.input_layernorm.add_forward(x, residual)
-        x = self.self_attn(x, cos, sin)
+        x = self.self_attn(x, cos, sin, lora)
         x, residual = self.post_attention_layernorm.add_forward(x, residual)
-        return self.mlp(x), residual
+        return self.mlp(x, lora), residual
 
 
 class LlamaForCausalLM(nn.Module):
@@ -239,19 +253,21 @@ class LlamaForCausalLM(nn.Module):
         # The decoder layer's forward, replaced by its compiled form (see compiler.py).
         self.layer_forward = DecoderLayer.forward
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                lora: torch.Tensor | None = None) -> torch.Tensor:
         """input_ids, positions: [num_tokens]; logits_indices: [num_sampled] rows to compute
-        logits at. Returns [num_sampled, vocab] float32 (this rank's slice of the vocabulary,
-        padded, under tensor parallelism)."""
-        return self.compute_logits(self.hidden_states(input_ids, positions, logits_indices))
+        logits at; lora: each token's adapter slot, one-hot [num_tokens, slots] (None: no
+        adapters loaded). Returns [num_sampled, vocab] float32 (this rank's slice of the
+        vocabulary, padded, under tensor parallelism)."""
+        return self.compute_logits(self.hidden_states(input_ids, positions, logits_indices, lora))
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[rows, vocab] float32 logits of final hidden states: apart, so that CUDA graphs capture
         up to the hidden states and the logits of only the rows that sample are computed."""
         return self.lm_head(hidden).float()
 
-    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor
-                      ) -> torch.Tensor:
+    def hidden_states(self, input_ids: torch.Tensor, positions: torch.Tensor, logits_indices: torch.Tensor,
+                      lora: torch.Tensor | None = None) -> torch.Tensor:
         """The final normed hidden states [num_sampled, hidden] at `logits_indices`."""
         x = self.embed(input_ids)
         table = self.rope[positions]  # [num_tokens, head_dim]
@@ -264,10 +280,10 @@ class LlamaForCausalLM(nn.Module):
             # The compiled layer is traced with the token count symbolic, and nothing else; a lone
             # token runs the same graph (guards are dropped), so that a row's arithmetic never
             # depends on how many rows the step has (docs/contract.md, seeds).
-            for t in (x, residual, cos, sin):
+            for t in (x, residual, cos, sin) + (() if lora is None else (lora,)):
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=1 << 20)
         for layer in self.layers:
-            x, residual = layer_forward(layer, x, residual, cos, sin)
+            x, residual = layer_forward(layer, x, residual, cos, sin, lora)
         x = (x + residual)[logits_indices]
         return self.norm(x)
 

@@ -36,7 +36,7 @@ import torch
 from tritone.config import EngineConfig
 from tritone.executor import hardware, tensor_parallel
 from tritone.executor.base import RunnerBase, check_splittable
-from tritone.executor.step import PendingTokens, SamplingInput, StepHandle, StepInput
+from tritone.executor.step import PendingTokens, ReadyRows, SamplingInput, StepHandle, StepInput
 
 logger = logging.getLogger(__name__)
 
@@ -231,9 +231,12 @@ class RemoteRunner(RunnerBase):
             logger.error("engine %d: %s", self.engine_index, self.dead)
             self.shutdown(graceful=False)
             raise WorkerDied(self.dead) from None
-        _, token_ids, log_probs = reply
-        return StepHandle(torch.tensor(token_ids, dtype=torch.int64),
-                          torch.tensor(log_probs) if log_probs is not None else None, len(token_ids))
+        _, token_ids, log_probs, top, scores = reply
+        handle = StepHandle(torch.tensor(token_ids, dtype=torch.int64),
+                            torch.tensor(log_probs) if log_probs is not None else None, len(token_ids))
+        handle.top = None if top is None else ReadyRows(top)
+        handle.scores = None if scores is None else ReadyRows(scores)
+        return handle
 
     @property
     def worker_pids(self) -> list[int]:

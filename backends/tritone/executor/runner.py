@@ -16,12 +16,12 @@ import numpy as np
 import torch
 
 from tritone.config import EngineConfig
-from tritone.executor import attention, compiler, cuda_graphs, gemm, hardware, llama, native, tensor_parallel, verify
+from tritone.executor import attention, compiler, cuda_graphs, gemm, hardware, llama, lora, native, tensor_parallel, verify
 from tritone.executor.base import RunnerBase, fallback_refused, kv_head_shape, model_shard
 from tritone.executor.memory import num_kv_blocks, profile_kv_budget, staging_bytes
 from tritone.executor.kernels import argmax_rows
 from tritone.executor.loader import load_weights, random_weights
-from tritone.executor.sampler import Sampler, needs_logits
+from tritone.executor.sampler import Sampler, needs_logits, score_prompt
 from tritone.executor.sampling_state import SamplingTable
 from tritone.executor.staging import HostStaging
 from tritone.executor.step import PendingTokens, SamplingInput, StepHandle, StepInput
@@ -111,6 +111,7 @@ class ModelRunner(RunnerBase):
             if self.group is not None:  # every rank's cache has as many blocks as the smallest one holds
                 num_blocks = self.group.min(num_blocks)
         self.num_blocks = num_blocks
+        self.lora = self._load_adapters(config)
         num_kv_heads, head_dim = kv_head_shape(text_config)
         if shard is not None:
             num_kv_heads = shard.kv_heads[1]
@@ -160,7 +161,7 @@ class ModelRunner(RunnerBase):
                 logger.warning("serving the reference forward (torch.mm and SDPA)")
                 llama.use_plain_linears(self.model)
                 self.attention = attention.TorchSDPAAttention()
-        if self.device.type == "cuda" and config.cuda_graphs == "auto":
+        if self.device.type == "cuda" and config.cuda_graphs == "auto" and self.lora is None:
             self.graphs = self._capture_decode_graphs(config.max_num_seqs)
             if self.group is not None and self.group.min(int(self.graphs is not None)) == 0:
                 # Replayed graphs hold the collectives: a rank stepping eagerly beside ranks that
@@ -168,6 +169,17 @@ class ModelRunner(RunnerBase):
                 if self.graphs is not None:
                     logger.warning("CUDA graphs: off, as another rank's capture failed")
                 self.graphs = None
+
+    def _load_adapters(self, config: EngineConfig) -> lora.LoraWeights | None:
+        """The --lora-modules adapters on the model's linears (None where none are given)."""
+        if not config.lora_modules:
+            return None
+        if not isinstance(self.model, llama.LlamaForCausalLM):
+            raise ValueError(f"{lora.FLAG}: adapters apply to Tritone's Llama-family model, and this model runs on "
+                             "Hugging Face's modules")
+        if self.group is not None:
+            raise ValueError(f"{lora.FLAG}: not yet under tensor parallelism (--tensor-parallel-size 1)")
+        return lora.attach(self.model, config.lora_modules, config.max_loras, config.max_lora_rank)
 
     def decode_graphs(self, max_num_seqs: int, capture: bool = True) -> cuda_graphs.DecodeGraphs:
         return cuda_graphs.DecodeGraphs(self.model, self.kv_caches, self.attention, self.block_size,
@@ -198,6 +210,8 @@ class ModelRunner(RunnerBase):
         if mode == "torch":
             return None
         reason = native.unsupported_reason(self.model, self.dtype, self.device)
+        if reason is None and self.lora is not None:
+            reason = "LoRA adapters are applied by the torch forward only"
         if reason is None and mode == "auto":
             reason = native.slower_reason(self.model, self.dtype)
         if reason is not None:
@@ -271,13 +285,20 @@ class ModelRunner(RunnerBase):
         [rows] int64 (and log-probabilities where asked) on the device. A rank other than the first
         gets no `sampling`: it only joins the forward's collectives."""
         rows = self.sampling.begin_step(sampling) if sampling is not None else []
-        greedy = bool(rows) and not needs_logits(rows)
+        num_scored = 0 if step.score_targets is None else len(step.score_targets)
+        greedy = bool(rows) and not num_scored and not needs_logits(rows)
         out = self.run_model(step, greedy, prev)
-        if out is None or not rows:  # a following rank, or a step that only fills the cache
-            return self.finish_step(None, None, 0)
+        scores = None
+        if out is not None and num_scored:
+            scores = score_prompt(out[len(out) - num_scored:], step.score_targets, step.score_k)
+            out = out[:len(out) - num_scored]
+        if out is None or not rows:  # a following rank, or a step that only fills the cache (and scores)
+            handle = self.finish_step(None, None, 0)
+            handle.scores = scores
+            return handle
         token_ids, log_probs, top = self.sampler.sample_step(out, rows, sampling, greedy)
         handle = self.finish_step(token_ids, log_probs, len(rows))
-        handle.top = top
+        handle.top, handle.scores = top, scores
         self.sampling.end_step(handle, rows)
         return handle
 
@@ -331,5 +352,8 @@ class ModelRunner(RunnerBase):
         if prev is not None:
             input_ids[to(prev.dst)] = prev.token_ids[to(prev.src)]
         self.staging.end_step()
+        adapters = None
+        if self.lora is not None:  # every step, all-base ones too: one compiled graph
+            adapters = self.lora.mask(step.lora_ids, np.diff(query_start), self.dtype, self.device)
         with attention.forward_context(self.kv_caches, meta, backend):
-            return self.model(input_ids, pos, rows)
+            return self.model(input_ids, pos, rows, adapters)

@@ -131,6 +131,17 @@ def top_log_probs(raw: tuple[list[int], torch.Tensor], token_ids: torch.Tensor,
     return TopRows(rows, [requests[i].params.num_top_log_probs for i in rows], chosen, ids, values)
 
 
+def score_prompt(logits: torch.Tensor, targets: np.ndarray, k: int) -> TopRows:
+    """Prompt scoring: at each scored position, the next prompt token's log-probability under
+    the model's raw logits in fp32, and the k most likely tokens' (as top_log_probs)."""
+    log_probs = torch.log_softmax(logits.float(), dim=-1)
+    index = torch.from_numpy(targets).to(log_probs.device, non_blocking=True)
+    chosen = log_probs.gather(1, index[:, None]).flatten()
+    values, ids = log_probs.topk(k, dim=-1) if k else (log_probs[:, :0], torch.zeros_like(log_probs[:, :0]).long())
+    n = len(targets)
+    return TopRows(list(range(n)), [k] * n, chosen, ids, values)
+
+
 def apply_logit_bias(logits: torch.Tensor, requests: list[SamplingState]) -> None:
     """In place: each request's biases added to its row, in one scatter for the whole batch (the
     indices go to the device without waiting for it)."""

@@ -21,8 +21,14 @@ class StepInput:
     tables: np.ndarray  # [S, blocks] int32: each sequence's block table
     query_start: np.ndarray  # [S + 1] int32: where each sequence's tokens start in ids
     seq_lens: np.ndarray  # [S] int32: each sequence's length after this step
-    logits_indices: np.ndarray  # [R]: the token whose logits each sampling row takes
+    logits_indices: np.ndarray  # [R + P]: the token whose logits each sampling row takes, then each scored one
     num_decodes: int  # the leading sequences with a one-token query
+    # Prompt scoring: the next prompt token of each of the P scored positions (the last P rows of
+    # logits_indices), and the most likely tokens to return at each (the largest k asked).
+    score_targets: np.ndarray | None = None
+    score_k: int = 0
+    # [S] int32: each sequence's LoRA adapter (0: the base model), or None where all are the base's.
+    lora_ids: np.ndarray | None = None
 
 
 @dataclass(slots=True, frozen=True)
@@ -89,6 +95,13 @@ class TopRows:
                 for j, (row, k) in enumerate(zip(self.rows, self.ks))}
 
 
+class ReadyRows(dict):
+    """TopRows already on the host, by row (from a worker process)."""
+
+    def by_row(self) -> dict[int, TopLogProbs]:
+        return self
+
+
 class StepHandle:
     """A launched step's sampled ids and log-probabilities: on the device (where the next step's
     inputs read them) and, once `result()` returns, on the host. On CUDA the copy to the host is
@@ -96,8 +109,10 @@ class StepHandle:
 
     def __init__(self, token_ids: torch.Tensor | None, log_probs: torch.Tensor | None, num_rows: int):
         self.token_ids, self.num_rows = token_ids, num_rows
-        # Set by the runner where a row asked for top log-probabilities.
-        self.top: TopRows | None = None
+        # Set by the runner where a row asked for top log-probabilities, and where the step
+        # scored prompt positions (rows in StepInput.score_targets' order).
+        self.top: TopRows | ReadyRows | None = None
+        self.scores: TopRows | ReadyRows | None = None
         self._event = None
         self._host_ids, self._host_log_probs = token_ids, log_probs
         if token_ids is not None and token_ids.is_cuda:

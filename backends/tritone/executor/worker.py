@@ -67,7 +67,7 @@ def main(argv: list[str]) -> int:
         try:
             handle = runner.execute_model(step, sampling)
             if rank == 0:
-                conn.send(("done", *handle.result()))
+                conn.send(("done", *handle.result(), _host_rows(handle.top), _host_rows(handle.scores)))
         except Exception as exc:
             logger.exception("a step failed")
             try:
@@ -75,6 +75,11 @@ def main(argv: list[str]) -> int:
             except OSError:
                 pass
             return 1
+
+
+def _host_rows(rows) -> dict | None:
+    """A handle's TopRows as plain rows for the engine's process."""
+    return None if rows is None else rows.by_row()
 
 
 if __name__ == "__main__":

@@ -112,6 +112,8 @@ class Server:
                    "--tool-call-parser", parser, "--max-body-bytes", str(self.max_body_bytes)]
         if getattr(a, "reasoning_parser", None):
             command += ["--reasoning-parser", a.reasoning_parser]
+        if getattr(a, "lora_modules", ""):  # the adapters' names, which clients send as the model
+            command += ["--lora-modules", a.lora_modules]
         self.frontend = subprocess.Popen(command, env=env, stdout=stdout, stderr=subprocess.STDOUT if stdout else None,
                                          start_new_session=True, preexec_fn=die_with_parent)
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from dataclasses import dataclass
 
 import grpc
 import numpy as np
@@ -42,15 +43,17 @@ class Backend:
     def _inputs(self, tensors: dict[str, np.ndarray]) -> list:
         return infer_inputs(self._grpcaio, tensors.items())
 
-    def generate(self, request_id: str, tensors: dict[str, np.ndarray], guide_field: str | None = None) -> "Generation":
+    def generate(self, request_id: str, tensors: dict[str, np.ndarray], guide_field: str | None = None,
+                 echo: "Echo | None" = None) -> "Generation":
         """The ensemble's responses to one request, as a Generation; `guide_field` names the
-        OpenAI field of its output constraint in the engine's errors about it."""
+        OpenAI field of its output constraint in the engine's errors about it; `echo` puts the
+        prompt before the answer."""
         inputs = self._inputs(tensors)
 
         async def requests():
             yield {"model_name": ENSEMBLE, "inputs": inputs, "request_id": request_id}
 
-        return Generation(self, request_id, self.client.stream_infer(requests()), guide_field)
+        return Generation(self, request_id, self.client.stream_infer(requests()), guide_field, echo)
 
     def _abort_later(self, request_id: str) -> None:
         task = asyncio.get_running_loop().create_task(self.abort(request_id))
@@ -93,9 +96,10 @@ class Generation:
     does not wait, so that it also works from code that is being cancelled (a client's
     disconnect cancels the response's task)."""
 
-    def __init__(self, backend: Backend, request_id: str, stream, guide_field: str | None = None):
+    def __init__(self, backend: Backend, request_id: str, stream, guide_field: str | None = None,
+                 echo: "Echo | None" = None):
         self.backend, self.request_id, self.stream = backend, request_id, stream
-        self.guide_field = guide_field
+        self.guide_field, self.echo = guide_field, echo
         # The final response came, or an error: nothing left to cancel in the engine.
         self.is_answered = False
         # The prompt's count comes with the first and the final response; each chunk carries it.
@@ -121,7 +125,7 @@ class Generation:
         # No prompt has zero tokens: a zero is a response without the count.
         chunk.num_input_tokens = self.num_input_tokens = chunk.num_input_tokens or self.num_input_tokens
         self.is_answered = self.is_answered or bool(chunk.finish_reason)
-        return chunk
+        return chunk if self.echo is None else self.echo.apply(chunk)
 
     def _failed(self, exc: Exception) -> RequestError:
         """grpc.aio raises a failed call (a server that cannot be reached, or went away) rather
@@ -153,3 +157,28 @@ class Generation:
             self.is_answered = True
             self.stream.cancel()
             self.backend._abort_later(self.request_id)
+
+
+@dataclass(slots=True)
+class Echo:
+    """A completion's `echo`: the prompt's text (and, with logprobs, its tokens' scores) before
+    the first chunk's; with max_tokens 0 the one token generated for the scores is dropped, so
+    the answer is the prompt alone, finished for length as vLLM's."""
+
+    # None for a prompt of token ids: its tokens' texts, from the prompt's scores.
+    prompt: str | None
+    keep_output: bool = True
+    is_started: bool = False
+
+    def apply(self, chunk: Chunk) -> Chunk:
+        if not self.keep_output:
+            chunk.text, chunk.output_log_probs, chunk.top_log_probs = "", [], []
+            chunk.num_output_tokens, chunk.cum_log_prob = 0, 0.0
+            chunk.finish_reason = chunk.finish_reason and ("length" if chunk.finish_reason in ("stop", "length")
+                                                           else chunk.finish_reason)
+        if not self.is_started:
+            self.is_started = True
+            prompt = self.prompt if self.prompt is not None else "".join(t[0] for t in chunk.prompt_log_probs)
+            chunk.text = prompt + chunk.text
+            chunk.top_log_probs = chunk.prompt_log_probs + chunk.top_log_probs
+        return chunk

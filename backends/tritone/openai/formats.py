@@ -78,7 +78,9 @@ class CompletionFormat(ResponseFormat):
             offsets.append(num_chars.get(index, 0))
             num_chars[index] = offsets[-1] + len(text)
         return {"tokens": [t[0] for t in top], "token_logprobs": [t[1] for t in top],
-                "top_logprobs": [dict((text, lp) for text, lp in t[2]) for t in top], "text_offset": offsets}
+                # None for an echoed prompt's first token, which nothing precedes (as vLLM).
+                "top_logprobs": [None if t[1] is None else dict((text, lp) for text, lp in t[2]) for t in top],
+                "text_offset": offsets}
 
     def _choice(self, c: Chunk, index: int = 0) -> dict:
         return {"index": index, "text": c.text, "logprobs": self._logprobs(c.top_log_probs, index),

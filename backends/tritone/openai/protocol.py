@@ -1,6 +1,6 @@
 """OpenAI's request bodies, checked, and what each becomes as `ensemble` inputs.
 
-Only what the engine can honour is accepted: an unsupported feature (echo, suffix, ...) is refused
+Only what the engine can honour is accepted: an unsupported feature (suffix, ...) is refused
 with a 400 that names it, and an unknown field is refused too, never ignored.
 
 Structured outputs take OpenAI's `response_format` and vLLM's extras (`guided_json`,
@@ -15,7 +15,7 @@ import logging
 from typing import Annotated, Any
 
 import numpy as np
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, StrictInt
 
 from tritone.openai.errors import RequestError
 from tritone.openai.guides import add_guide, guide_text, response_format_guide
@@ -179,8 +179,14 @@ class _Sampling(BaseModel):
         return bool(self.stream_options and self.stream_options.continuous_usage_stats)
 
 
+TokenIds = list[Annotated[StrictInt, Field(ge=0, le=INT32_MAX)]]  # strict: true and false are no token ids
+
+
 class CompletionRequest(_Sampling):
-    prompt: str | list[str]
+    # Text, token ids, or a list of either (one choice each, as OpenAI's).
+    prompt: str | list[str] | TokenIds | list[TokenIds]
+    # 0 only with echo: the prompt scored, nothing generated (lm-evaluation-harness's log-likelihood).
+    max_tokens: int | None = Field(default=None, ge=0, le=INT32_MAX)
     logprobs: int | None = Field(default=None, ge=0, le=INT32_MAX)
     echo: bool = False
     best_of: int | None = Field(default=None, ge=0, le=INT32_MAX)
@@ -188,11 +194,14 @@ class CompletionRequest(_Sampling):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if isinstance(self.prompt, list) and not 1 <= len(self.prompt) <= MAX_PROMPTS:
-            raise RequestError(f"prompt must be a string or a list of 1 to {MAX_PROMPTS} strings, got "
-                               f"{len(self.prompt)}", "prompt")
-        if self.echo:
-            raise RequestError("echo is not supported", "echo")
+        if isinstance(self.prompt, list) and not 1 <= len(self.prompts) <= MAX_PROMPTS:
+            raise RequestError(f"prompt must be a string, token ids or a list of 1 to {MAX_PROMPTS} of either, got "
+                               f"{len(self.prompts)}", "prompt")
+        if any(not p for p in self.prompts):
+            raise RequestError("prompt holds an empty list of token ids", "prompt")
+        if self.max_tokens == 0 and not self.echo:
+            raise RequestError("max_tokens may be 0 only with echo (the prompt scored, nothing generated)",
+                               "max_tokens")
         if self.best_of is not None and not self.n <= self.best_of <= MAX_CHOICES:
             raise RequestError(f"best_of must be in [n, {MAX_CHOICES}], got {self.best_of} with n {self.n}", "best_of")
         if self.best_of is not None and self.best_of > self.n and self.stream:
@@ -203,18 +212,28 @@ class CompletionRequest(_Sampling):
             raise RequestError(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {self.logprobs}", "logprobs")
 
     @property
-    def prompts(self) -> list[str]:
-        return [self.prompt] if isinstance(self.prompt, str) else self.prompt
+    def prompts(self) -> list[str | list[int]]:
+        """Each prompt: a text or its token ids."""
+        p = self.prompt
+        return [p] if isinstance(p, str) or (p and isinstance(p[0], int)) else p
 
-    def ensemble_inputs(self, prompt: str | None = None, index: int = 0) -> dict[str, np.ndarray]:
+    def ensemble_inputs(self, prompt: str | list[int] | None = None, index: int = 0) -> dict[str, np.ndarray]:
         prompt = self.prompts[0] if prompt is None else prompt
         max_tokens = DEFAULT_COMPLETION_MAX_TOKENS if self.max_tokens is None else self.max_tokens
-        inputs = self.sampling_inputs(max_tokens, index)
-        # A completion continues the text as it is: no chat template.
-        inputs["text_input"] = np.array([[prompt.encode()]], dtype=object)
-        inputs["apply_chat_template"] = np.array([[False]])
+        # max_tokens 0: one token is generated with the prompt's scores, and dropped (Echo).
+        inputs = self.sampling_inputs(max(1, max_tokens), index)
+        if isinstance(prompt, str):
+            # A completion continues the text as it is: no chat template.
+            inputs["text_input"] = np.array([[prompt.encode()]], dtype=object)
+            inputs["apply_chat_template"] = np.array([[False]])
+        else:
+            inputs["prompt_token_ids"] = np.array([prompt], dtype=np.int32)
         if self.logprobs is not None:
             inputs["num_top_log_probs"] = np.array([[self.logprobs]], dtype=np.int32)
+        if self.echo and (self.logprobs is not None or not isinstance(prompt, str)):
+            # The prompt's tokens scored in the prefill, returned before the output's; an echoed
+            # prompt of token ids takes its text from them.
+            inputs["num_prompt_log_probs"] = np.array([[self.logprobs or 0]], dtype=np.int32)
         if self.num_seqs > self.n:  # best_of ranks by the cumulative log-probability
             inputs["return_log_probs"] = np.array([[True]])
         return inputs

@@ -13,6 +13,8 @@ import logging
 import secrets
 import time
 
+import numpy as np
+
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
@@ -21,7 +23,7 @@ from starlette.exceptions import HTTPException
 from tritone_client.client import Chunk
 
 from tritone.openai import choices
-from tritone.openai.backend import Backend, Generation
+from tritone.openai.backend import Backend, Echo, Generation
 from tritone.openai.errors import RequestError, error_body
 from tritone.openai.formats import ChatFormat, CompletionFormat, ResponseFormat, sse
 from tritone.openai.guard import DEFAULT_MAX_BODY_BYTES, Guard
@@ -42,8 +44,10 @@ class OpenAIServer:
 
     def __init__(self, backend_url: str, model_name: str, api_key: str | None = None, tool_parser: str = "hermes",
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, control_key: str | None = None,
-                 reasoning_parser: str | None = None):
+                 reasoning_parser: str | None = None, adapters: list[str] = ()):
+        """`adapters`: the LoRA adapters' names, in the server's order (lora_task_id 1, 2, ...)."""
         self.backend_url, self.model_name, self.api_key = backend_url, model_name, api_key
+        self.adapters = list(adapters)
         self.tool_parser, self.control_key = tool_parser, control_key
         # Chat answers are split into reasoning_content and content by it (None: not split).
         self.reasoning_parser = reasoning_parser
@@ -73,12 +77,12 @@ class OpenAIServer:
 
         @app.get("/v1/models")
         async def models():
-            return {"object": "list", "data": [self._model_card()]}
+            return {"object": "list", "data": [self._model_card(name) for name in [self.model_name, *self.adapters]]}
 
         @app.get("/v1/models/{name:path}")
         async def model(name: str):
-            self._check_model(name)
-            return self._model_card()
+            self._lora_id(name)
+            return self._model_card(name)
 
         @app.post("/v1/completions")
         async def completions(body: CompletionRequest, request: Request):
@@ -88,16 +92,24 @@ class OpenAIServer:
         async def chat(body: ChatCompletionRequest, request: Request):
             return await self._serve(body, request, "chatcmpl", ChatFormat)
 
-    def _model_card(self) -> dict:
-        return {"id": self.model_name, "object": "model", "created": self.created, "owned_by": "tritone"}
+    def _model_card(self, name: str) -> dict:
+        card = {"id": name, "object": "model", "created": self.created, "owned_by": "tritone"}
+        if name != self.model_name:  # an adapter, as vLLM lists them
+            card |= {"root": name, "parent": self.model_name}
+        return card
 
-    def _check_model(self, name: str) -> None:
-        if name != self.model_name:
-            raise RequestError(f"model {name!r} does not exist: this server serves {self.model_name!r}", "model",
-                               status=404, type="not_found_error")
+    def _lora_id(self, name: str) -> int:
+        """The adapter a model name picks (0: the base model); 404 for a name not served."""
+        if name == self.model_name:
+            return 0
+        if name in self.adapters:
+            return self.adapters.index(name) + 1
+        served = ", ".join(repr(n) for n in [self.model_name, *self.adapters])
+        raise RequestError(f"model {name!r} does not exist: this server serves {served}", "model",
+                           status=404, type="not_found_error")
 
     async def _serve(self, body, request: Request, prefix: str, format_cls: type[ResponseFormat]):
-        self._check_model(body.model)
+        lora_id = self._lora_id(body.model)
         body.check_supported()
         calls_tools = getattr(body, "calls_tools", False)
         fmt = format_cls(f"{prefix}-{secrets.token_hex(12)}", int(time.time()), self.model_name, body.wants_logprobs,
@@ -106,14 +118,15 @@ class OpenAIServer:
         guide = body.guide()
         guide_field = "tools" if calls_tools else guide and guide[0]
         prompts = body.prompts if isinstance(body, CompletionRequest) else [None]
-        choice_inputs = [self._inputs(body, fmt, calls_tools, guide, p, i)
+        choice_inputs = [self._inputs(body, fmt, calls_tools, guide, p, i, lora_id)
                          for p in prompts for i in range(body.num_seqs)]
         if len(choice_inputs) > 1:
             if body.stream and (calls_tools or fmt.reasoning_parser):
                 raise RequestError("a stream of several choices cannot be parsed for tool calls or reasoning: "
                                    "set n to 1 or stream to false", "n")
-            return await self._serve_choices(body, request, fmt, choice_inputs, guide_field)
-        chunks = self.backend.generate(fmt.id, choice_inputs[0], guide_field)
+            echoes = [_echo(body, p) for p in prompts for _ in range(body.num_seqs)]
+            return await self._serve_choices(body, request, fmt, choice_inputs, guide_field, echoes)
+        chunks = self.backend.generate(fmt.id, choice_inputs[0], guide_field, _echo(body, prompts[0]))
         try:
             if not body.stream:
                 return fmt.whole(await _unless_gone(request, chunks.whole()))
@@ -127,9 +140,13 @@ class OpenAIServer:
         return StreamingResponse(_events(fmt, first, chunks, body.include_usage, body.continuous_usage),
                                  media_type="text/event-stream")
 
-    def _inputs(self, body, fmt: ResponseFormat, calls_tools: bool, guide, prompt: str | None, index: int) -> dict:
-        """The ensemble inputs of one sequence: the `index`th of its prompt (its own seed)."""
+    def _inputs(self, body, fmt: ResponseFormat, calls_tools: bool, guide, prompt: str | None, index: int,
+                lora_id: int = 0) -> dict:
+        """The ensemble inputs of one sequence: the `index`th of its prompt (its own seed), with the
+        adapter its model name picks."""
         inputs = body.ensemble_inputs(prompt, index) if prompt is not None else body.ensemble_inputs(index=index)
+        if lora_id:
+            inputs["lora_task_id"] = np.array([[lora_id]], dtype=np.uint64)
         if calls_tools:
             body.tool_inputs(inputs, self.tool_parser)
         if fmt.reasoning_parser and "guided_decoding_guide_type" in inputs:
@@ -137,12 +154,12 @@ class OpenAIServer:
         return inputs
 
     async def _serve_choices(self, body, request: Request, fmt: ResponseFormat, choice_inputs: list[dict],
-                             guide_field: str | None):
+                             guide_field: str | None, echoes: list[Echo | None]):
         """Several sequences (prompts, n, best_of): one generation each, submitted together, so
         that the engine batches them and prefix caching shares their prompt's full blocks once
         the first has computed them; the choices keep the prompts' order, then the sequences'."""
-        generations = [self.backend.generate(f"{fmt.id}-{i}", inputs, guide_field)
-                       for i, inputs in enumerate(choice_inputs)]
+        generations = [self.backend.generate(f"{fmt.id}-{i}", inputs, guide_field, echo)
+                       for i, (inputs, echo) in enumerate(zip(choice_inputs, echoes))]
         if not body.stream:
             answers = await _unless_gone(request, choices.wholes(generations))
             usage = choices.total(answers, body.num_seqs)
@@ -151,6 +168,13 @@ class OpenAIServer:
         return StreamingResponse(choices.events(fmt, firsts, generations, body.include_usage, body.continuous_usage,
                                                 body.num_seqs),
                                  media_type="text/event-stream")
+
+
+def _echo(body, prompt: str | list[int] | None) -> Echo | None:
+    """A completion's echo of `prompt` (None for chat, or without echo)."""
+    if not getattr(body, "echo", False):
+        return None
+    return Echo(prompt if isinstance(prompt, str) else None, keep_output=body.max_tokens != 0)
 
 
 async def _events(fmt: ResponseFormat, first: Chunk, chunks: Generation, include_usage: bool,

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 
+from tritone.config import parse_lora_modules
 from tritone.openai.guard import DEFAULT_MAX_BODY_BYTES
 from tritone.openai.routes import OpenAIServer
 from tritone.openai.tools import PARSERS
@@ -39,6 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-body-bytes", type=_positive_int, default=DEFAULT_MAX_BODY_BYTES,
                    help=f"refuse a request body larger than this with 413, before reading it "
                         f"(default {DEFAULT_MAX_BODY_BYTES}: 4 MiB)")
+    p.add_argument("--lora-modules", default="",
+                   help="the server's LoRA adapters as name=path,name=path (scripts/serve's --lora-modules): a request "
+                        "whose model is an adapter's name gets that adapter (the ensemble's lora_task_id)")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -57,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     # The control key by environment only, out of the process list.
     server = OpenAIServer(args.grpc_url, args.model_name, args.api_key, args.tool_call_parser,
                           max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
-                          control_key=os.environ.get("TRITONE_CONTROL_KEY") or None)
+                          control_key=os.environ.get("TRITONE_CONTROL_KEY") or None,
+                          adapters=[name for name, _ in parse_lora_modules(args.lora_modules)])
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
     return 0

@@ -173,8 +173,13 @@ class BlockManager:
     def _block_tokens(self, request: Request, index: int) -> tuple[int, ...]:
         return tuple(request.tokens_slice(index * self.block_size, (index + 1) * self.block_size))
 
+    def _root(self, lora_id: int) -> bytes:
+        return self.root_hash if not lora_id else chain_hash(self.root_hash, [-lora_id])
+
     def _extend_hashes(self, request: Request, num_blocks: int) -> None:
         hashes = request.block_hashes
         for i in range(len(hashes), num_blocks):
-            parent = hashes[-1] if hashes else self.root_hash
+            # An adapter's KV differs from the base model's for the same tokens: its chain has
+            # a root of its own.
+            parent = hashes[-1] if hashes else self._root(request.params.lora_id)
             hashes.append(chain_hash(parent, self._block_tokens(request, i)))

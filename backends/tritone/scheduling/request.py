@@ -53,6 +53,13 @@ class SamplingParams:
     # The most likely tokens to return with each sampled one (None: none), with the sampled
     # token's: log-probabilities of the model's raw logits (vLLM's default), before any transform.
     num_top_log_probs: int | None = None
+    # Where set, each prompt token's log-probability given the tokens before it (the first has
+    # none) and this many most likely tokens' at its place, computed in the prefill (vLLM's
+    # prompt_logprobs): prompt scoring. Such a request computes its whole prompt, prefix cache
+    # or not.
+    prompt_log_probs: int | None = None
+    # The LoRA adapter to apply: its place in --lora-modules, from 1 (0: the base model).
+    lora_id: int = 0
     # Token id -> what is added to its logit before anything else (OpenAI's logit_bias).
     logit_bias: dict[int, float] = field(default_factory=dict)
     # Constrains the output to a JSON schema, regex, grammar or structural tag
@@ -93,8 +100,12 @@ class SamplingParams:
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         self._validate_logit_bias(vocab_size)
-        if self.num_top_log_probs is not None and not 0 <= self.num_top_log_probs <= MAX_TOP_LOG_PROBS:
-            raise ValueError(f"num_top_log_probs must be in [0, {MAX_TOP_LOG_PROBS}], got {self.num_top_log_probs}")
+        if self.lora_id < 0:
+            raise ValueError(f"lora_task_id must be >= 0, got {self.lora_id}")
+        for name in ("num_top_log_probs", "prompt_log_probs"):
+            k = getattr(self, name)
+            if k is not None and not 0 <= k <= MAX_TOP_LOG_PROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_TOP_LOG_PROBS}], got {k}")
         for seq in self.bad_token_ids:
             if not seq or any(not 0 <= t < vocab_size for t in seq):
                 raise ValueError("bad_token_ids holds an empty or out-of-vocabulary sequence")
@@ -152,6 +163,10 @@ class Request:
     matcher: object = None
     # Whether the runner has its sampling state (it gets it when the request is first scheduled).
     in_runner: bool = False
+    # With params.prompt_log_probs: prompt positions whose next token's log-probability has been
+    # launched (a recompute after preemption does not score them again), and the scores back.
+    num_prompt_scored: int = 0
+    prompt_top_log_probs: list["TopLogProbs"] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -198,6 +213,9 @@ class RequestOutput:
     error: str | None = None
     # Where the request asked for num_top_log_probs: one TopLogProbs per new token.
     new_top_log_probs: list["TopLogProbs"] | None = None
+    # Where it asked for prompt_log_probs, with its first token: one TopLogProbs per prompt token
+    # after the first, in order.
+    prompt_top_log_probs: list["TopLogProbs"] | None = None
 
 
 @dataclass(slots=True)
@@ -211,8 +229,9 @@ class TopLogProbs:
 
 
 def request_output(request: Request, new_ids: list[int], new_lps: list[float], error: str | None = None,
-                   new_top: list[TopLogProbs] | None = None) -> RequestOutput:
+                   new_top: list[TopLogProbs] | None = None,
+                   prompt_top: list[TopLogProbs] | None = None) -> RequestOutput:
     return RequestOutput(request_id=request.request_id, new_token_ids=new_ids, new_log_probs=new_lps,
                          num_prompt_tokens=request.num_prompt_tokens, num_output_tokens=request.num_output_tokens,
                          finished=request.is_finished, finish_reason=request.finish_reason, error=error,
-                         new_top_log_probs=new_top)
+                         new_top_log_probs=new_top, prompt_top_log_probs=prompt_top)

@@ -45,6 +45,9 @@ class SchedulerOutput:
     new_requests: list[Request] = field(default_factory=list)
     # Requests that ended since the runner last heard: it may forget them.
     finished_ids: list[str] = field(default_factory=list)
+    # Prompt scoring (params.prompt_log_probs): (row of `scheduled`, first position, count) of
+    # the prompt positions whose next token's log-probability this step computes.
+    prompt_scores: list[tuple[int, int, int]] = field(default_factory=list)
 
     @property
     def is_empty(self) -> bool:
@@ -60,6 +63,8 @@ class LaunchedStep:
     requests: list[Request]  # the requests that sample, in the handle's row order
     indices: list[int]  # where each one's placeholder stands in its output_ids
     row_of: dict[int, int]  # id(request) -> its row in the handle
+    # The requests whose prompt positions the step scores and how many, in the handle's order.
+    scored: list[tuple[Request, int]] = field(default_factory=list)
 
 
 class Scheduler:
@@ -119,7 +124,23 @@ class Scheduler:
                            if s.request.num_computed_tokens + s.num_tokens == s.request.num_tokens]
         out.new_requests = [s.request for s in out.scheduled if not s.request.in_runner]
         out.finished_ids = list(self._finished_ids)
+        out.prompt_scores = self._prompt_scores(out.scheduled)
         return out
+
+    @staticmethod
+    def _prompt_scores(scheduled: list[ScheduledRequest]) -> list[tuple[int, int, int]]:
+        """Positions p of each scoring request's chunk whose next token p + 1 is in the prompt, and
+        not scored before (a recompute after preemption scores nothing twice)."""
+        spans = []
+        for i, item in enumerate(scheduled):
+            request = item.request
+            if request.params.prompt_log_probs is None:
+                continue
+            first = max(request.num_computed_tokens, request.num_prompt_scored)
+            end = min(request.num_computed_tokens + item.num_tokens, request.num_prompt_tokens - 1)
+            if end > first:
+                spans.append((i, first, end - first))
+        return spans
 
     def launched(self, out: SchedulerOutput, handle) -> LaunchedStep:
         """Records that the runner took the step: its tokens count as computed (whatever reads
@@ -132,6 +153,11 @@ class Scheduler:
             request, start = item.request, item.request.num_computed_tokens
             self.stats.num_prompt_tokens += max(0, min(start + item.num_tokens, request.num_prompt_tokens) - start)
             request.num_computed_tokens += item.num_tokens
+        scored = []
+        for i, first, count in out.prompt_scores:
+            request = out.scheduled[i].request
+            request.num_prompt_scored = first + count
+            scored.append((request, count))
         requests = [out.scheduled[i].request for i in out.sample_rows]
         indices = []
         for request in requests:
@@ -139,13 +165,26 @@ class Scheduler:
             request.output_ids.append(PENDING_TOKEN)
             request.output_log_probs.append(0.0)
             request.num_pending_tokens += 1
-        return LaunchedStep(handle, out.scheduled, requests, indices, {id(r): row for row, r in enumerate(requests)})
+        return LaunchedStep(handle, out.scheduled, requests, indices, {id(r): row for row, r in enumerate(requests)},
+                            scored)
 
     def update_from_output(self, step: LaunchedStep, token_ids: list[int], log_probs: list[float],
-                           top: dict[int, TopLogProbs] | None = None) -> list[RequestOutput]:
+                           top: dict[int, TopLogProbs] | None = None,
+                           scores: dict[int, TopLogProbs] | None = None) -> list[RequestOutput]:
         """Applies a launched step's tokens: the one loop over a step's sampled tokens (fill the
         placeholder, advance the grammar, check stop conditions, finish). `top`: by row, the top
-        log-probabilities of the rows whose requests asked for them."""
+        log-probabilities of the rows whose requests asked for them; `scores`: by row, the scored
+        prompt positions' (step.scored's requests in turn). A scoring request's prompt scores go
+        out with its first token."""
+        if step.scored:
+            row = 0
+            for request, count in step.scored:
+                k = request.params.prompt_log_probs
+                for j in range(row, row + count):
+                    entry = scores[j]
+                    request.prompt_top_log_probs.append(
+                        TopLogProbs(entry.log_prob, entry.token_ids[:k], entry.log_probs[:k]))
+                row += count
         for item in step.scheduled:
             if not item.request.is_finished:
                 self.block_manager.cache_computed_blocks(item.request)  # its KV is written now
@@ -179,7 +218,10 @@ class Scheduler:
             new_top = None
             if request.params.num_top_log_probs is not None:
                 new_top = [top[row]] if new_ids and top and row in top else []
-            outputs.append(request_output(request, new_ids, new_lps, new_top=new_top))
+            prompt_top = None
+            if index == 0 and request.params.prompt_log_probs is not None:
+                prompt_top = request.prompt_top_log_probs
+            outputs.append(request_output(request, new_ids, new_lps, new_top=new_top, prompt_top=prompt_top))
         return outputs
 
     def abort(self, request_id: str, reason: FinishReason) -> Request | None:
@@ -240,6 +282,8 @@ class Scheduler:
                 compiling.append(self.waiting.popleft())
                 continue
             cached = self.block_manager.find_cached_blocks(request)
+            if request.params.prompt_log_probs is not None:  # positions to score are computed, not reused
+                cached = cached[:request.num_prompt_scored // self.block_manager.block_size]
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(request, num_new, cached):

@@ -222,6 +222,8 @@ def parse_llm_request(get: Getter, server_key: bytes | None = None) -> LLMReques
         return_log_probs=bool(scalar(get, "RETURN_LOG_PROBS", False)),
         logit_bias=parse_logit_bias(get),
         num_top_log_probs=None if get("NUM_TOP_LOG_PROBS") is None else int(scalar(get, "NUM_TOP_LOG_PROBS")),
+        prompt_log_probs=None if get("NUM_PROMPT_LOG_PROBS") is None else int(scalar(get, "NUM_PROMPT_LOG_PROBS")),
+        lora_id=int(scalar(get, "LORA_TASK_ID", 0)),
         guide=parse_guide(get),
     )
     return LLMRequest(

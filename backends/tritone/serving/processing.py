@@ -33,6 +33,9 @@ class Preprocessor:
         prepared, index = [], []
         for i, get in enumerate(getters):
             name = "text_input"
+            if get("PROMPT_TOKEN_IDS") is not None:  # a prompt already in tokens: nothing to prepare
+                results[i] = self._given_ids(get)
+                continue
             try:
                 name, prompt = self._prompt(get)
                 flag = scalar(get, "APPLY_CHAT_TEMPLATE")
@@ -58,6 +61,25 @@ class Preprocessor:
             else:
                 results[i]["INPUT_IDS"] = np.array(ids, dtype=np.int32)
         return results
+
+    def _given_ids(self, get: Getter) -> "dict[str, np.ndarray] | ValueError":
+        """A prompt sent as token ids (prompt_token_ids), checked for length here and against the
+        vocabulary by the llm model."""
+        from tritone.text import to_word_list_tensor
+
+        if get("TEXT_INPUT") is not None or get("MESSAGES") is not None:
+            return ValueError("give one of text_input, messages and prompt_token_ids")
+        ids = get("PROMPT_TOKEN_IDS").reshape(-1)
+        if not ids.size:
+            return ValueError("prompt_token_ids is empty")
+        if self.max_input_len and ids.size > self.max_input_len:
+            return ValueError(f"prompt_token_ids is {ids.size} tokens long, over the limit of "
+                              f"{self.max_input_len} tokens")
+        try:
+            bad_words = self.encoder.encode_bad_words(text_list(get, "BAD_WORDS"))
+        except ValueError as exc:
+            return exc
+        return {"INPUT_IDS": ids.astype(np.int32), "BAD_WORDS_IDS": to_word_list_tensor(bad_words)}
 
     def _tokenize(self, prepared: list, names: list[str]) -> list:
         """One tokenizer call for the batch; if it fails, one call per prompt, so that the prompt
@@ -152,7 +174,24 @@ class Postprocessor:
         if top is not None:  # only for requests that asked for num_top_log_probs
             result["OUT_TOP_LOG_PROBS"] = np.array([self.top_log_probs(new_ids, top, get("TOP_IDS")).encode()],
                                                    np.object_)
+        prompt = get("PROMPT_LOG_PROBS")
+        if prompt is not None:  # only for requests that asked for num_prompt_log_probs, once
+            result["OUT_PROMPT_LOG_PROBS"] = np.array(
+                [self.prompt_log_probs(prompt, get("PROMPT_IDS"), state.num_input_tokens).encode()], np.object_)
         return result
+
+    def prompt_log_probs(self, log_probs: np.ndarray, ids: np.ndarray | None, num_prompt: int) -> str:
+        """JSON: for each prompt token, [its text, its log-probability given the tokens before it
+        (null for the first), [[text, log-probability] of the k most likely tokens at its place]]."""
+        if ids is None or ids.size != log_probs.size or not num_prompt or ids.size % num_prompt:
+            raise ValueError("prompt_log_probs and prompt_ids do not match the prompt")
+        width = ids.size // num_prompt
+        rows, ids = log_probs.reshape(num_prompt, width).tolist(), ids.reshape(num_prompt, width).tolist()
+        entries = []
+        for i, (row, row_ids) in enumerate(zip(rows, ids)):
+            alternatives = [[self.token_text(t), lp] for t, lp in zip(row_ids[1:], row[1:]) if t >= 0]
+            entries.append([self.token_text(row_ids[0]), None if i == 0 else row[0], alternatives])
+        return json.dumps(entries)
 
     def top_log_probs(self, new_ids: list[int], top: np.ndarray, top_ids: np.ndarray | None) -> str:
         """JSON: for each generated token of the chunk, [its text, its log-probability, [[text,

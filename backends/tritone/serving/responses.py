@@ -78,6 +78,8 @@ class ResponseStream:
     log_probs: list[float] = field(default_factory=list)
     # Where the request asked for num_top_log_probs: one TopLogProbs per generated token.
     top_log_probs: list = field(default_factory=list)
+    # Where it asked for num_prompt_log_probs: the prompt's scores until a response carries them.
+    prompt_top_log_probs: list | None = None
     num_sent: int = 0
     stop: StopMatcher | None = None
     is_finished: bool = False
@@ -103,6 +105,8 @@ class ResponseStream:
         self.ids.extend(output.new_token_ids)
         self.log_probs.extend(output.new_log_probs)
         self.top_log_probs.extend(output.new_top_log_probs or ())
+        if output.prompt_top_log_probs is not None:
+            self.prompt_top_log_probs = output.prompt_top_log_probs
         end, num_dropped, reason = len(self.ids), 0, output.finish_reason
         if self.stop is not None:
             stop_start = self.stop.feed(self.ids, output.finished)
@@ -143,6 +147,10 @@ class ResponseStream:
         k = self.request.params.num_top_log_probs
         if k is not None:
             tensors.update(top_log_prob_tensors(self.top_log_probs[first:last], k))
+        if self.prompt_top_log_probs is not None:
+            tensors.update(prompt_log_prob_tensors(self.request.prompt_ids, self.prompt_top_log_probs,
+                                                   self.request.params.prompt_log_probs))
+            self.prompt_top_log_probs = None
         return tensors
 
 
@@ -163,3 +171,19 @@ def error_message(output: RequestOutput) -> str | None:
     if output.finish_reason == FinishReason.ERROR:
         return output.error or "request failed"
     return None
+
+
+def prompt_log_prob_tensors(prompt_ids: list[int], scores: list, k: int) -> dict[str, np.ndarray]:
+    """PROMPT_LOG_PROBS [n, k + 1]: each prompt token's log-probability given the tokens before it
+    (NaN for the first, which has none), then the k most likely tokens' at its place; PROMPT_IDS
+    [n, k + 1]: the prompt token, then those tokens (-1 pads, as TOP_IDS)."""
+    n = len(prompt_ids)
+    log_probs = np.full((n, k + 1), -np.inf, dtype=np.float32)
+    ids = np.full((n, k + 1), -1, dtype=np.int32)
+    ids[:, 0] = prompt_ids
+    log_probs[0, 0] = np.nan
+    for i, entry in enumerate(scores[:n - 1], start=1):
+        log_probs[i, 0] = entry.log_prob
+        log_probs[i, 1:1 + len(entry.log_probs)] = entry.log_probs
+        ids[i, 1:1 + len(entry.token_ids)] = entry.token_ids
+    return {"PROMPT_LOG_PROBS": log_probs.reshape(-1), "PROMPT_IDS": ids.reshape(-1)}
