@@ -51,12 +51,15 @@ def adapters(model_dir, tmp_path_factory, tokenizer):
     return root, built
 
 
+@pytest.mark.parametrize("forward", ["native", "torch"])
 def test_adapters_and_the_base_model_share_a_batch_each_as_hugging_face_merged(model_dir, tokenizer, hf_model,
-                                                                              adapters):
+                                                                              adapters, forward):
     root, built = adapters
     expected = {**built, "base": [hf_greedy(hf_model, tokenizer(p).input_ids, MAX_TOKENS) for p in PROMPTS]}
     assert expected["every"] != expected["base"] and expected["some"] != expected["base"]
-    engine = make_engine(model_dir, lora_modules=f"every={root / 'every'},some={root / 'some'}", max_lora_rank=8)
+    engine = make_engine(model_dir, lora_modules=f"every={root / 'every'},some={root / 'some'}", max_lora_rank=8,
+                         forward=forward)
+    assert (engine.runner.native is not None) == (forward == "native")
     lora_ids = {"base": 0, "every": 1, "some": 2}
     outputs = {}
     for name, lora_id in lora_ids.items():  # one batch: every request is in before the first step
@@ -71,6 +74,30 @@ def test_adapters_and_the_base_model_share_a_batch_each_as_hugging_face_merged(m
         assert [outputs[f"{name}-{i}"] for i in range(len(PROMPTS))] == expected[name], name
 
 
+def test_a_base_model_request_beside_adapters_is_the_base_models_bit_for_bit(model_dir, tokenizer, adapters):
+    """In the serving dtype (bf16 where the CPU has it), whatever forward is chosen: a row of the
+    base model gets exactly +0 from the adapters' products."""
+    root, _ = adapters
+    prompt_ids = tokenizer(PROMPTS[1]).input_ids
+
+    def answers(**options):
+        engine = make_engine(model_dir, dtype="auto", **options)
+        engine.add_request("base", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, return_log_probs=True))
+        if options:
+            engine.add_request("adapted", prompt_ids, SamplingParams(max_tokens=MAX_TOKENS, lora_id=1))
+        out = {}
+        while engine.has_unfinished_requests():
+            for o in engine.step():
+                ids, lps = out.setdefault(o.request_id, ([], []))
+                ids.extend(o.new_token_ids)
+                lps.extend(o.new_log_probs)
+        return out
+
+    with_adapters = answers(lora_modules=f"every={root / 'every'}")
+    assert with_adapters["base"] == answers()["base"]
+    assert with_adapters["adapted"][0] != with_adapters["base"][0]
+
+
 def test_a_bad_adapter_or_id_is_refused_naming_its_field(model_dir, tmp_path, adapters):
     root, _ = adapters
     with pytest.raises(ValueError, match="--lora-modules"):
@@ -79,8 +106,8 @@ def test_a_bad_adapter_or_id_is_refused_naming_its_field(model_dir, tmp_path, ad
         make_engine(model_dir, lora_modules=f"every={root / 'every'}", max_lora_rank=4)
     with pytest.raises(ValueError, match="lora_modules"):
         make_engine(model_dir, lora_modules="no-path-given")
-    with pytest.raises(ValueError, match="--forward native"):
-        make_engine(model_dir, lora_modules=f"every={root / 'every'}", forward="native")
+    with pytest.raises(ValueError, match="--forward native: --max-loras"):
+        make_engine(model_dir, lora_modules=f"every={root / 'every'}", forward="native", max_loras=64, max_lora_rank=16)
     engine = make_engine(model_dir, lora_modules=f"every={root / 'every'}")
     with pytest.raises(ValueError, match="lora_task_id 2"):
         engine.add_request("x", [1, 2, 3], SamplingParams(max_tokens=2, lora_id=2))

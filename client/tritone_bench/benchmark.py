@@ -95,6 +95,9 @@ def parse_args(argv):
     p.add_argument("--structured", choices=["json-schema"],
                    help="also run each level with every request constrained to a JSON schema, and time the "
                         "first token of a new schema against a cached one")
+    p.add_argument("--lora-mix", type=int, default=0,
+                   help="with --server-args '--lora-modules ...' naming N adapters: run each level again with the "
+                        "requests taking adapters 1 to N in turn (lora_task_id), against the base model's run")
     p.add_argument("--json", help="write the results here (default: a new file under bench_results/runs/)")
     return p.parse_args(argv)
 
@@ -118,7 +121,7 @@ def main(argv=None) -> int:
     args.peer_python = peer_python
     results = {"config": {k: v for k, v in vars(args).items() if k != "peer_python"}, "tritone": {}, "peer": {},
                "hf_generate": {}, "tritone_structured": {}, "peer_structured": {}, "tritone_vllm_bench": {},
-               "peer_vllm_bench": {}}
+               "peer_vllm_bench": {}, "tritone_lora": {}}
 
     dtype = resolve_dtype(args.dtype, torch.device("cpu"))
     results["tritone_dtype"] = str(dtype).removeprefix("torch.")
@@ -159,7 +162,7 @@ def run_levels(args, stack: str, make_sender, workload, results, key: str, metri
                                   metrics=metrics if schema is None else None, tree=tree, label=f"{stack} ")
             if level["num_errors"]:
                 raise RuntimeError(f"{stack} failed requests at concurrency {c}: {level['errors']}")
-            results[key + suffix][c] = level
+            results.setdefault(key + suffix, {})[c] = level
             steps = f"{format_breakdown(level['step_ms'])}; " if "step_ms" in level else ""
             print(f"{stack}{', JSON schema' if schema else ''}, concurrency {c}: "
                   f"{level['output_tokens_per_s']:.1f} tok/s, {level['tokens_per_response']:.2f} tokens per "
@@ -193,6 +196,15 @@ def run_tritone(args, model_dir, workload, results) -> None:
         model = "llm_inline" if server.args.inline else "ensemble"
         run_levels(args, "Tritone", lambda schema: GrpcStreams(url, model, args.temperature, args.top_p, schema),
                    workload, results, "tritone", ServerMetrics.of(server), ProcessTree(server.process.pid))
+        if args.lora_mix:
+            adapters = list(range(1, args.lora_mix + 1))
+            run_levels(args, f"Tritone, adapters {adapters} in turn",
+                       lambda schema: GrpcStreams(url, model, args.temperature, args.top_p, schema, adapters),
+                       workload, results, "tritone_lora", ServerMetrics.of(server), ProcessTree(server.process.pid))
+            for c in args.concurrency:
+                base, mixed = results["tritone"][c], results["tritone_lora"][c]
+                print(f"adapters mixed / base model, concurrency {c}: "
+                      f"{mixed['output_tokens_per_s'] / base['output_tokens_per_s']:.2f}x", flush=True)
         if args.vllm_bench:
             run_vllm_bench(args, "tritone", server.openai_url.removesuffix("/v1"), server.model_dir.name, model_dir,
                            results)

@@ -7,6 +7,7 @@ arrival time and output-token count of each response written into `record`.
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 
@@ -21,9 +22,11 @@ class GrpcStreams:
     chat template, so that its length is what the workload says."""
 
     def __init__(self, url: str, model: str = "ensemble", temperature: float = 0.0, top_p: float = 1.0,
-                 schema: dict | None = None):
+                 schema: dict | None = None, lora_ids: list[int] | None = None):
+        """`lora_ids`: LoRA adapters (lora_task_id) the requests take in turn; none: the base model."""
         self.url, self.model, self.schema = url, model, schema
         self.sampling = {"temperature": temperature, "top_p": top_p}
+        self.lora_ids = itertools.cycle(lora_ids) if lora_ids else None
 
     def _inputs(self, grpcaio, text: str, max_tokens: int) -> list:
         tensors = [("text_input", np.array([[text.encode()]], dtype=object)),
@@ -33,6 +36,8 @@ class GrpcStreams:
                    ("top_p", np.array([[self.sampling["top_p"]]], dtype=np.float32)),
                    ("stream", np.array([[True]])),
                    ("apply_chat_template", np.array([[False]]))]
+        if self.lora_ids is not None:
+            tensors.append(("lora_task_id", np.array([[next(self.lora_ids)]], dtype=np.uint64)))
         if self.schema is not None:
             tensors += [("guided_decoding_guide_type", np.array([[b"json_schema"]], dtype=object)),
                         ("guided_decoding_guide", np.array([[json.dumps(self.schema).encode()]], dtype=object))]

@@ -29,8 +29,16 @@ _LAYER_FIELDS = ("input_norm", "qkv", "qkv_bias", "q_norm", "k_norm", "o", "o_bi
                  "gate_up_bias", "down", "down_bias", "k_cache", "v_cache")
 
 
+class _Lora(ctypes.Structure):
+    _fields_ = [("a", ctypes.c_void_p), ("b", ctypes.c_void_p), ("width", ctypes.c_int)]
+
+
+_LORA_LINEARS = {"lora_qkv": ("self_attn", "qkv_proj"), "lora_o": ("self_attn", "o_proj"),
+                 "lora_gate_up": ("mlp", "gate_up_proj"), "lora_down": ("mlp", "down_proj")}
+
+
 class _Layer(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS]
+    _fields_ = [(name, ctypes.c_void_p) for name in _LAYER_FIELDS] + [(name, _Lora) for name in _LORA_LINEARS]
 
 
 _ALL_REDUCE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.POINTER(ctypes.c_float), ctypes.c_int64)
@@ -42,13 +50,14 @@ class _Model(ctypes.Structure):
                                                    "vocab_rows")] + [
         ("all_reduce", _ALL_REDUCE), ("all_reduce_ctx", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, ctypes.c_void_p) for name in ("embed", "rope", "final_norm", "lm_head")] + [
-        ("layers", ctypes.POINTER(_Layer))]
+        ("layers", ctypes.POINTER(_Layer)), ("lora_slots", ctypes.c_int), ("lora_cols", ctypes.c_int)]
 
 
 class _Batch(ctypes.Structure):
     _fields_ = [(name, ctypes.c_void_p) for name in ("ids", "positions", "slots", "logits_rows", "block_tables",
                                                       "query_start", "seq_lens")] + [
-        (name, ctypes.c_int) for name in ("num_tokens", "num_seqs", "max_blocks", "block_size", "num_logits")]
+        (name, ctypes.c_int) for name in ("num_tokens", "num_seqs", "max_blocks", "block_size", "num_logits")] + [
+        ("lora_mask", ctypes.c_void_p)]
 
 
 def unsupported_reason(model, dtype: torch.dtype, device: torch.device) -> str | None:
@@ -67,6 +76,17 @@ def unsupported_reason(model, dtype: torch.dtype, device: torch.device) -> str |
         return f"head size {spec.head_dim} is not a multiple of 8 up to 256"
     if kernels.native_library() is None:
         return f"the native kernels did not build ({kernels.missing_reason()})"
+    return None
+
+
+def lora_reason(model, lora_slots: int) -> str | None:
+    """Why the native forward cannot apply the model's LoRA adapters (None: it can): B's input goes
+    through the buffer of the widest linear input."""
+    spec = model.spec
+    widest_in = max(spec.hidden_size, spec.num_heads * spec.head_dim, spec.intermediate_size)
+    cols = max((lora_slots * m.lora_width for m in model.modules() if isinstance(m, llama.Linear)), default=0)
+    if cols > widest_in:
+        return f"--max-loras x --max-lora-rank x 3 ({cols}) is over the model's widest layer input ({widest_in})"
     return None
 
 
@@ -104,8 +124,10 @@ class NativeForward:
     """Runs `model` over a packed batch with one native call; the caches are the runner's."""
 
     def __init__(self, model: "llama.LlamaForCausalLM", kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, group=None):
-        """`group`: the tensor-parallel ranks' tensor_parallel.Group, whose all-reduce the model's is."""
+                 block_size: int, group=None, lora_slots: int = 0):
+        """`group`: the tensor-parallel ranks' tensor_parallel.Group, whose all-reduce the model's is;
+        `lora_slots`: the adapter slots of the linears' stacked LoRA weights (lora.py), 0 for none."""
+        lora_cols = 0
         self.lib = kernels.native_library()
         spec = model.spec
         bf16 = model.embed_tokens.weight.dtype == torch.bfloat16
@@ -133,6 +155,13 @@ class NativeForward:
                     assert tensor.is_contiguous(), name
                     self._keep.append(tensor)
                 setattr(layers[i], name, _ptr(tensor))
+            for name, (parent, linear_name) in _LORA_LINEARS.items():
+                linear = getattr(getattr(layer, parent), linear_name)
+                if lora_slots and linear.lora_a is not None:
+                    a, b = kernels.pack(linear.lora_a), kernels.pack(linear.lora_b)
+                    self._keep += [a, b]
+                    setattr(layers[i], name, _Lora(_ptr(a), _ptr(b), linear.lora_width))
+                    lora_cols = max(lora_cols, lora_slots * linear.lora_width)
         self._layers = layers
         rope, final_norm = model.rope.float().contiguous(), model.norm.weight.float().contiguous()
         self._keep += [rope, model.embed_tokens.weight, final_norm]
@@ -154,7 +183,8 @@ class NativeForward:
             vocab=spec.vocab_size, bf16=_gemm_code(model) if bf16 else 0, vocab_start=vocab_start, vocab_rows=vocab_rows,
             all_reduce=self._all_reduce, all_reduce_ctx=reduce_ctx, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
             embed=_ptr(model.embed_tokens.weight), rope=_ptr(rope), final_norm=_ptr(final_norm),
-            lm_head=_ptr(self._panels(model.lm_head)), layers=layers)
+            lm_head=_ptr(self._panels(model.lm_head)), layers=layers, lora_slots=lora_slots if lora_cols else 0,
+            lora_cols=lora_cols)
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def _panels(self, linear: "llama.Linear") -> torch.Tensor:
@@ -166,17 +196,20 @@ class NativeForward:
         return panels
 
     def __call__(self, ids, positions, slots, tables, query_start, seq_lens, logits_indices,
-                 greedy: bool = False) -> torch.Tensor:
+                 greedy: bool = False, lora_mask: torch.Tensor | None = None) -> torch.Tensor:
         """The runner's model input (arrays, see ModelRunner.prepare); returns logits
         [len(logits_indices), vocab] float32, or where `greedy`, each row's greedy token
-        [len(logits_indices)] int64 without the logits ever being written."""
+        [len(logits_indices)] int64 without the logits ever being written. `lora_mask`: each
+        token's adapter slot, one-hot float32 [tokens, lora_slots] (lora.py), where adapters are
+        loaded."""
         arrays = [np.ascontiguousarray(ids, dtype=np.int64), np.ascontiguousarray(positions, dtype=np.int64),
                   np.ascontiguousarray(slots, dtype=np.int64), np.ascontiguousarray(logits_indices, dtype=np.int64),
                   np.ascontiguousarray(tables, dtype=np.int32), np.ascontiguousarray(query_start, dtype=np.int32),
                   np.ascontiguousarray(seq_lens, dtype=np.int32)]
         num_tokens, num_logits = len(arrays[0]), len(arrays[3])
         batch = _Batch(*(a.ctypes.data for a in arrays), num_tokens=num_tokens, num_seqs=len(arrays[6]),
-                       max_blocks=arrays[4].shape[1], block_size=self.block_size, num_logits=num_logits)
+                       max_blocks=arrays[4].shape[1], block_size=self.block_size, num_logits=num_logits,
+                       lora_mask=_ptr(lora_mask))
         need = self.lib.llama_scratch_floats(ctypes.byref(self.model), num_tokens)
         if self._scratch.numel() < need:
             self._scratch = torch.empty(need, dtype=torch.float32)

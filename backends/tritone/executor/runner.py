@@ -211,7 +211,7 @@ class ModelRunner(RunnerBase):
             return None
         reason = native.unsupported_reason(self.model, self.dtype, self.device)
         if reason is None and self.lora is not None:
-            reason = "LoRA adapters are applied by the torch forward only"
+            reason = native.lora_reason(self.model, self.lora.max_loras)
         if reason is None and mode == "auto":
             reason = native.slower_reason(self.model, self.dtype)
         if reason is not None:
@@ -219,7 +219,8 @@ class ModelRunner(RunnerBase):
                 raise ValueError(f"--forward native: {reason}")
             logger.info("forward pass: torch (the native forward does not serve: %s)", reason)
             return None
-        self.native = native.NativeForward(self.model, self.kv_caches, self.block_size, self.group)
+        self.native = native.NativeForward(self.model, self.kv_caches, self.block_size, self.group,
+                                           self.lora.max_loras if self.lora is not None else 0)
         if self._probe is not None and not self._passes("native forward", "--forward native" if mode == "native" else None):
             self.native = None
             return None
@@ -330,7 +331,10 @@ class ModelRunner(RunnerBase):
         if self.native is not None:
             if prev is not None:
                 ids = prev.patch(ids)
-            return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices, greedy)
+            mask = None
+            if self.lora is not None:
+                mask = self.lora.mask(step.lora_ids, np.diff(query_start), torch.float32, self.device)
+            return self.native(ids, positions, slots, tables, query_start, seq_lens, logits_indices, greedy, mask)
         if self.graphs is not None and self.graphs.fits(len(seq_lens), num_decodes, tables.shape[1]):
             hidden = self.graphs.run(ids, positions, slots, tables, seq_lens, prev, self.staging)
             if len(logits_indices) != len(ids):  # not every decode samples: only those rows' logits

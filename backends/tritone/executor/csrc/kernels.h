@@ -63,6 +63,13 @@ int top_p_rows(float *x, int64_t rows, int64_t n, const float *top_p, int num_th
 /* One decoder layer's weights: norms and biases as float32 vectors, linears as gemm.c's panels of
  * the model's dtype; biases, q_norm and k_norm may be NULL. k_cache, v_cache: [num_slots,
  * num_kv_heads, head_dim] of the model's dtype. */
+/* A linear's LoRA adapters stacked side by side (lora.py): a, panels of [in, slots * width]; b,
+ * panels of [slots * width, out] (each adapter's scale folded in); a NULL: no adapter adapts it. */
+typedef struct {
+    const void *a, *b;
+    int width;
+} LoraLinear;
+
 typedef struct {
     const float *input_norm;
     const void *qkv;
@@ -74,6 +81,7 @@ typedef struct {
     const void *down;
     const float *down_bias;
     void *k_cache, *v_cache;
+    LoraLinear lora_qkv, lora_o, lora_gate_up, lora_down;
 } LlamaLayer;
 
 /* Under tensor parallelism: adds x [n] over the ranks, in place (the runner's collective). */
@@ -112,6 +120,8 @@ typedef struct {
     const float *final_norm; /* [hidden] */
     const void *lm_head;     /* panels of [hidden, vocab] */
     const LlamaLayer *layers;
+    int lora_slots;          /* LoRA adapter slots (0: none loaded) */
+    int lora_cols;           /* the widest linear's slots * width */
 } LlamaModel;
 
 /* One step's packed batch, as the runner lays it out for paged_attention. */
@@ -119,6 +129,7 @@ typedef struct {
     const int64_t *ids, *positions, *slots, *logits_rows;
     const int32_t *block_tables, *query_start, *seq_lens;
     int num_tokens, num_seqs, max_blocks, block_size, num_logits;
+    const float *lora_mask; /* [num_tokens, lora_slots]: each token's adapter slot, one-hot (NULL: none) */
 } LlamaBatch;
 
 size_t llama_scratch_floats(const LlamaModel *m, int num_tokens);

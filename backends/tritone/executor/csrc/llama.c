@@ -135,6 +135,23 @@ static void linear(const LlamaModel *m, const float *x, uint16_t *x_bf16, const 
     linear_of(m, gemm_input(m, x, x_bf16, T, K, num_threads), panels, bias, out, T, K, N, num_threads);
 }
 
+/* out [T, N] += each token's adapter's low-rank product of a [T, K] (as linear_of takes it): all
+ * slots' A at once, the columns of other slots than the token's zeroed, then B (lora.py). A token
+ * of the base model gets +0. x_bf16 is overwritten (B's input); lora_scratch holds T * (lora_cols
+ * + N) floats. */
+static void lora_add(const LlamaModel *m, const LlamaBatch *b, const LoraLinear *lo, const void *a, uint16_t *x_bf16,
+                     float *lora_scratch, float *out, int T, int K, int N, int num_threads) {
+    if (!b->lora_mask || !lo->a) return;
+    const int S = m->lora_slots, w = lo->width, cols = S * w;
+    float *xa = lora_scratch, *delta = lora_scratch + (size_t)T * m->lora_cols;
+    linear_of(m, a, lo->a, 0, xa, T, K, cols, num_threads);
+    for (int t = 0; t < T; t++)
+        for (int s = 0; s < S; s++)
+            if (b->lora_mask[(size_t)t * S + s] == 0.0f) memset(xa + (size_t)t * cols + (size_t)s * w, 0, sizeof(float) * w);
+    linear(m, xa, x_bf16, lo->b, 0, delta, T, cols, N, num_threads);
+    for (size_t i = 0; i < (size_t)T * N; i++) out[i] += delta[i];
+}
+
 /* One step's buffers and the layer at hand, for the row-parallel work between the GEMMs. */
 typedef struct {
     const LlamaModel *m;
@@ -220,8 +237,9 @@ size_t llama_scratch_floats(const LlamaModel *m, int num_tokens) {
     size_t widest_in = (size_t)m->hidden > q ? (size_t)m->hidden : q;
     widest_in = widest_in > (size_t)m->intermediate ? widest_in : (size_t)m->intermediate;
     /* residual, normed, out, queries, attention output, gate_up with the activation after it,
-     * and a GEMM's input in bf16 (two to a float, rows padded to even) */
-    return T * (3 * (size_t)m->hidden + 2 * q + wide_floats(m) + (widest_in + 2) / 2);
+     * a GEMM's input in bf16 (two to a float, rows padded to even), and LoRA's products */
+    const size_t lora = m->lora_slots ? (size_t)m->lora_cols + wide_floats(m) + (size_t)m->hidden : 0;
+    return T * (3 * (size_t)m->hidden + 2 * q + wide_floats(m) + (widest_in + 2) / 2 + lora);
 }
 
 /* Runs the model over b's tokens, writing their keys and values into each layer's cache, and
@@ -238,6 +256,9 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
     float *wide = attn + (size_t)T * q_size; /* qkv rows, or gate_up rows and the activation */
     float *act = wide + (size_t)T * 2 * I;
     uint16_t *x_bf16 = (uint16_t *)(wide + (size_t)T * wide_floats(m));
+    size_t widest_in = (size_t)Hd > (size_t)q_size ? (size_t)Hd : (size_t)q_size;
+    widest_in = widest_in > (size_t)I ? widest_in : (size_t)I;
+    float *lora_scratch = (float *)x_bf16 + (size_t)T * ((widest_in + 2) / 2);
 
     Rows rows = {m, b, 0, 0, residual, normed, out, queries, wide, act, x_bf16, qkv_size, q_size};
     /* The GEMM input that the row work before a linear has already rounded (see to_gemm_input_row). */
@@ -253,18 +274,23 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
         const LlamaLayer *l = &m->layers[i];
         rows.l = l;
         linear_of(m, normed_in, l->qkv, l->qkv_bias, wide, T, Hd, qkv_size, num_threads);
+        lora_add(m, b, &l->lora_qkv, normed_in, x_bf16, lora_scratch, wide, T, Hd, qkv_size, num_threads);
         pool_for(T, PARALLEL_ROWS, qkv_row, &rows, num_threads);
         const int rc = paged_attention(queries, l->k_cache, l->v_cache, b->block_tables, b->query_start, b->seq_lens,
                                        attn, b->num_seqs, m->num_heads, m->num_kv_heads, m->head_dim, b->block_size,
                                        b->max_blocks, m->scale, m->bf16, num_threads);
         if (rc) return rc;
         linear(m, attn, x_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
+        lora_add(m, b, &l->lora_o, m->bf16 ? (const void *)x_bf16 : attn, x_bf16, lora_scratch, out, T, q_size, Hd,
+                 num_threads);
         if (m->all_reduce) m->all_reduce(m->all_reduce_ctx, out, (int64_t)T * Hd);
         rows.norm = l->post_norm;
         pool_for(T, PARALLEL_ROWS, add_norm_row, &rows, num_threads);
         linear_of(m, normed_in, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
+        lora_add(m, b, &l->lora_gate_up, normed_in, x_bf16, lora_scratch, wide, T, Hd, 2 * I, num_threads);
         pool_for(T, PARALLEL_ROWS, silu_mul_row, &rows, num_threads);
         linear_of(m, act_in, l->down, l->down_bias, out, T, I, Hd, num_threads);
+        lora_add(m, b, &l->lora_down, act_in, x_bf16, lora_scratch, out, T, I, Hd, num_threads);
         if (m->all_reduce) m->all_reduce(m->all_reduce_ctx, out, (int64_t)T * Hd);
         if (i + 1 < m->num_layers) {
             rows.norm = m->layers[i + 1].input_norm;
