@@ -59,6 +59,22 @@ def test_staggered_greedy_batch_equals_hf_alone(model_dir, prompt_ids, expected,
     assert engine.block_manager.num_free_blocks == engine.block_manager.num_blocks
 
 
+def test_requests_sent_together_with_one_prompt_compute_its_full_blocks_once(model_dir, prompt_ids, expected):
+    """n choices arrive as n requests in one step: the first computes the prompt, the others wait
+    for its full blocks to be published and take them from the prefix cache."""
+    ids, want = prompt_ids[-1], expected[-1]
+    engine = make_engine(model_dir, block_size=16)
+    for i in range(4):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=MAX_TOKENS))
+    got = {str(i): [] for i in range(4)}
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            got[out.request_id].extend(out.new_token_ids)
+    assert all(tokens == want for tokens in got.values())
+    full = (len(ids) - 1) // 16 * 16  # a request always computes its last token itself
+    assert engine.stats.num_prompt_tokens == len(ids) + 3 * (len(ids) - full)
+
+
 def test_torch_decode_attention_path_equals_hf(model_dir, prompt_ids, expected):
     # The gather-then-SDPA path that CUDA (and CPUs without a C compiler) take.
     engine = make_engine(model_dir)

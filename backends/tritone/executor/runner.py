@@ -356,8 +356,9 @@ class ModelRunner(RunnerBase):
         if prev is not None:
             input_ids[to(prev.dst)] = prev.token_ids[to(prev.src)]
         self.staging.end_step()
-        adapters = None
-        if self.lora is not None:  # every step, all-base ones too: one compiled graph
-            adapters = self.lora.mask(step.lora_ids, np.diff(query_start), self.dtype, self.device)
         with attention.forward_context(self.kv_caches, meta, backend):
-            return self.model(input_ids, pos, rows, adapters)
+            if self.lora is None:
+                return self.model(input_ids, pos, rows)
+            # Every step, all-base ones too: one compiled graph.
+            return self.model(input_ids, pos, rows, self.lora.mask(step.lora_ids, np.diff(query_start), self.dtype,
+                                                                  self.device))

@@ -272,10 +272,25 @@ class Scheduler:
             return FinishReason.LENGTH
         return None
 
+    def _prefix_in_flight(self, request: Request, num_cached: int) -> bool:
+        """Whether a running request is computing the block that would extend this one's cached
+        prefix: this one then waits for it to be published (a step or a few) rather than compute
+        it again, so that requests sent together with one prompt (n choices, best_of, a batch of
+        one prompt) compute its full blocks once."""
+        hashes = request.block_hashes
+        if not self.block_manager.enable_prefix_caching or num_cached >= len(hashes):
+            return False
+        wanted = hashes[num_cached]
+        for other in self.running:
+            if other.num_published_blocks <= num_cached < len(other.block_hashes) and \
+                    other.block_hashes[num_cached] == wanted and other.num_computed_tokens < other.num_prompt_tokens:
+                return True
+        return False
+
     def _admit(self, out: SchedulerOutput, budget: int) -> None:
         # A guided request whose grammar is still compiling keeps its place in the queue without
         # holding back the requests behind it.
-        compiling = []
+        compiling, deferred = [], []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             request = self.waiting[0]
             if request.grammar_future is not None:
@@ -284,6 +299,9 @@ class Scheduler:
             cached = self.block_manager.find_cached_blocks(request)
             if request.params.prompt_log_probs is not None:  # positions to score are computed, not reused
                 cached = cached[:request.num_prompt_scored // self.block_manager.block_size]
+            elif self._prefix_in_flight(request, len(cached)):
+                deferred.append(self.waiting.popleft())
+                continue
             num_cached = len(cached) * self.block_manager.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.block_manager.allocate(request, num_new, cached):
@@ -297,7 +315,7 @@ class Scheduler:
             self.running.append(request)
             out.scheduled.append(ScheduledRequest(request, num_new))
             budget -= num_new
-        self.waiting.extendleft(reversed(compiling))
+        self.waiting.extendleft(reversed(compiling + deferred))
 
     def _newest_running(self, exclude: list[Request]) -> Request:
         for request in reversed(self.running):
