@@ -132,6 +132,19 @@ def server(model_dir, tmp_path_factory):
     assert not processes_mentioning(str(srv.run_dir)), "a Python backend stub outlived tritonserver"
 
 
+@pytest.fixture(scope="session")
+def openai_server(model_dir, tmp_path_factory):
+    """A server as `server`, with tritone-openai on a free port: shared by the modules that call the
+    OpenAI API with the default flags (log probabilities, choices, structured outputs)."""
+    from tritone.processes import free_port
+
+    srv, log = start_server(tmp_path_factory, "openai_server", "--kv-cache-bytes", str(256 << 20),
+                            "--openai-port", str(free_port()))
+    yield srv
+    srv.stop()
+    log.close()
+
+
 def open_http_generate_stream(server, max_tokens: int, num_events: int = 3) -> socket.socket:
     """A raw HTTP generate_stream of the ensemble, read until its first `num_events` events;
     the caller drops the connection by closing the returned socket."""

@@ -10,10 +10,8 @@ import openai
 import pytest
 import torch
 
-from conftest import start_server
 from test_engine import make_engine
 from test_openai_guard import chat, post, served
-from tritone.launcher import free_port
 from tritone.scheduling.request import SamplingParams, TopLogProbs
 from tritone.serving.responses import prompt_log_prob_tensors, top_log_prob_tensors
 
@@ -157,12 +155,8 @@ def test_more_alternatives_than_openai_allows_are_400(path, fields, param):
 # ---- through the server ----
 
 @pytest.fixture(scope="module")
-def server(model_dir, tmp_path_factory):
-    srv, log = start_server(tmp_path_factory, "top_logprobs_server", "--kv-cache-bytes", str(256 << 20),
-                            "--openai-port", str(free_port()))
-    yield srv
-    srv.stop()
-    log.close()
+def server(openai_server):
+    return openai_server
 
 
 @pytest.fixture(scope="module")

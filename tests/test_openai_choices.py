@@ -7,7 +7,7 @@ import openai
 import pytest
 
 from test_openai_guard import FakeBackend, FakeResult, post, served
-from test_logprobs import client, server  # noqa: F401 (a server of this module's own)
+from test_logprobs import client, server  # noqa: F401 (the session's OpenAI server)
 
 PROMPTS = ["The capital of France is", "One, two, three,", "Hello"]
 

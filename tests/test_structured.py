@@ -21,12 +21,8 @@ QUESTION = [{"role": "user", "content": "Describe a person who lives in a city."
 
 
 @pytest.fixture(scope="module")
-def srv(model_dir, tmp_path_factory):
-    server, log = start_server(tmp_path_factory, "structured", "--kv-cache-bytes", str(256 << 20),
-                               "--openai-port", str(free_port()))
-    yield server
-    server.stop()
-    log.close()
+def srv(openai_server):
+    return openai_server
 
 
 @pytest.fixture(scope="module")
