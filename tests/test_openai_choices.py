@@ -116,3 +116,21 @@ def test_n_seeded_choices_equal_single_requests_with_seeds_s_to_s_plus_2(server,
                                                  seed=11 + i).choices[0].message.content for i in range(3)]
     chat = client.chat.completions.create(model=server.model_dir.name, messages=question, max_tokens=8, seed=11, n=3)
     assert [c.message.content for c in chat.choices] == chat_alone
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("stream", [False, True])
+def test_the_ensembles_num_return_sequences_equal_seeded_single_requests(server, stream):  # noqa: F811
+    from tritone_client.client import TritoneClient
+
+    kwargs = dict(max_tokens=8, temperature=1.0, apply_chat_template=False)
+    with TritoneClient(f"{server.args.host}:{server.args.grpc_port}", "grpc") as client:
+        alone = [client.complete(PROMPTS[0], seed=11 + i, **kwargs).text for i in range(3)]
+        texts, finished = ["", "", ""], set()
+        for chunk in client.generate(PROMPTS[0], seed=11, num_return_sequences=3, stream=stream, **kwargs):
+            texts[chunk.sequence_index] += chunk.text
+            if chunk.finish_reason:
+                finished.add(chunk.sequence_index)
+        assert texts == alone and finished == {0, 1, 2}  # every sequence ended before the final flag
+        with pytest.raises(RuntimeError, match="num_return_sequences must be in"):
+            client.complete(PROMPTS[0], num_return_sequences=9, **kwargs)

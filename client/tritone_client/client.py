@@ -15,6 +15,7 @@ import numpy as np
 INPUT_DTYPES = {
     "max_tokens": np.int32, "end_id": np.int32, "pad_id": np.int32, "top_k": np.int32,
     "min_tokens": np.int32, "min_length": np.int32, "num_top_log_probs": np.int32, "num_prompt_log_probs": np.int32,
+    "num_return_sequences": np.int32,
     "top_p": np.float32, "min_p": np.float32, "temperature": np.float32,
     "repetition_penalty": np.float32, "presence_penalty": np.float32, "frequency_penalty": np.float32,
     "seed": np.uint64, "random_seed": np.uint64, "lora_task_id": np.uint64,
@@ -45,6 +46,8 @@ class Chunk:
     # With num_prompt_log_probs, in the first response: for each prompt token, [its text, its
     # log-probability (None for the first), [[text, log-probability] of the most likely tokens]].
     prompt_log_probs: list = field(default_factory=list)
+    # With num_return_sequences above 1: which sequence this response carries.
+    sequence_index: int = 0
 
 
 class TritoneClient:
@@ -202,4 +205,5 @@ def read_chunk(get) -> Chunk:
         finish_reason=first("finish_reason", ""),
         top_log_probs=json.loads(first("top_log_probs", "[]")),
         prompt_log_probs=json.loads(first("prompt_log_probs", "[]")),
+        sequence_index=int(first("sequence_index", 0)),
     )

@@ -8,6 +8,7 @@ with a fake one (tests/test_frontend.py); the adapters only parse tensors.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import threading
@@ -56,7 +57,9 @@ class EngineFrontend:
         self.pb, self.detokenizer, self.stream_interval = pb_utils, detokenizer, stream_interval
         # `outputs` turns a ResponseStream's tensors into the model's outputs (llm_inline detokenizes).
         self.flow, self.outputs = flow, outputs
-        self.streams: dict[str, tuple[ResponseStream, object, str | None]] = {}
+        # Engine request id -> its stream, the Triton request's sender, its Triton id, and the
+        # engine ids of its request's sequences still running (num_return_sequences; shared).
+        self.streams: dict[str, tuple[ResponseStream, object, str | None, list[str]]] = {}
         self.final_lock = threading.Lock()
         # The engine's ids of requests: internal, never in a response.
         self.ids, self.sends = itertools.count(), itertools.count()
@@ -87,26 +90,37 @@ class EngineFrontend:
         return not self.streams
 
     def submit(self, sender, request: LLMRequest | Exception, triton_id: str | None = None) -> None:
-        """Starts a parsed request, or answers a request that failed to parse (or that the engine
-        refuses) with one final error response naming the field."""
-        request_id = str(next(self.ids))
+        """Starts a parsed request (its num_return_sequences engine requests), or answers a request
+        that failed to parse (or that the engine refuses) with one final error response naming
+        the field."""
+        sequences: list[str] = []
         try:
             if isinstance(request, Exception):
                 raise request
-            flow = self.flow if request.flow_control and self.free_slots else None
-            key = new_key(self.free_slots.pop()) if flow is not None else 0
-            if flow is not None:
-                flow.register(key)
-            stream = ResponseStream(request, self.detokenizer, self.stream_interval, key=key, flow=flow,
-                                    sends=self.sends)
-            self.streams[request_id] = (stream, sender, triton_id)
-            self.engine.submit(request_id, request.prompt_ids, request.params)
+            n = request.num_return_sequences
+            for i in range(n):
+                request_id = str(next(self.ids))
+                params = request.params
+                if n > 1 and params.seed is not None:  # sequence i draws from seed + i
+                    params = dataclasses.replace(params, seed=(params.seed + i) % (1 << 63))
+                flow = self.flow if request.flow_control and self.free_slots else None
+                key = new_key(self.free_slots.pop()) if flow is not None else 0
+                if flow is not None:
+                    flow.register(key)
+                stream = ResponseStream(request, self.detokenizer, self.stream_interval, key=key, flow=flow,
+                                        sends=self.sends, sequence_index=i if n > 1 else None)
+                sequences.append(request_id)
+                self.streams[request_id] = (stream, sender, triton_id, sequences)
+                self.engine.submit(request_id, request.prompt_ids, params)
             aborted_at = self.early_aborts.pop(triton_id, None) if triton_id else None
             if aborted_at is not None and time.monotonic() - aborted_at < EARLY_ABORT_SECONDS:
-                self.engine.abort(request_id)
+                for request_id in sequences:
+                    self.engine.abort(request_id)
         except (ValueError, RuntimeError) as exc:
             with self.final_lock:
-                self._forget(request_id)
+                for request_id in sequences:  # those submitted before one was refused end unanswered
+                    self.engine.abort(request_id)
+                    self._forget(request_id)
                 self._send_final(sender, self._error(str(exc)))
 
     def send(self, output: RequestOutput) -> None:
@@ -114,7 +128,7 @@ class EngineFrontend:
         entry = self.streams.get(output.request_id)
         if entry is None:  # the engine's outputs after a stop word already ended the stream
             return
-        stream, sender, _ = entry
+        stream, sender, _, sequences = entry
         message = error_message(output)
         if message is not None:
             response = self._error(message)
@@ -130,12 +144,21 @@ class EngineFrontend:
             return
         with self.final_lock:
             if message is not None:  # the last try: the engine's sender sends nothing after it
+                for request_id in list(sequences):  # an error ends the whole request, every sequence
+                    if request_id != output.request_id:
+                        self.engine.abort(request_id)
+                    self._forget(request_id)
+            elif len(sequences) > 1:  # another sequence still runs: this one ends without the final flag
+                sender.send(response)
                 self._forget(output.request_id)
+                return
             self._send_final(sender, response)  # if it raises, the engine's sender sends an error
             self._forget(output.request_id)
 
     def _forget(self, request_id: str) -> None:
         entry = self.streams.pop(request_id, None)
+        if entry is not None and request_id in entry[3]:
+            entry[3].remove(request_id)
         if entry is not None and entry[0].flow is not None:
             entry[0].flow.release(entry[0].key)
             self.free_slots.append(entry[0].key & (NUM_SLOTS - 1))
@@ -143,7 +166,7 @@ class EngineFrontend:
     def abort(self, triton_id: str) -> None:
         """Stops the requests of this Triton request id. Finished ones are ignored (aborts race
         with the ends of requests); one not here yet is remembered for a while, to meet it."""
-        ids = [i for i, e in list(self.streams.items()) if e[2] == triton_id]
+        ids = [i for i, e in list(self.streams.items()) if e[2] == triton_id]  # every sequence
         for request_id in ids:
             self.engine.abort(request_id)
         if not ids:
@@ -174,7 +197,7 @@ class EngineFrontend:
 
     def _abort_lost_chunks(self) -> None:
         evidence = self.flow.evidence(time.monotonic_ns())
-        for request_id, (stream, _, _) in list(self.streams.items()):
+        for request_id, (stream, _, _, _) in list(self.streams.items()):
             watch = stream.in_flight
             if watch is not None and watch.is_lost(self.flow, evidence):
                 self.engine.abort(request_id)

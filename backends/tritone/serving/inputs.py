@@ -41,6 +41,8 @@ MAX_BAD_WORD_IDS = 4096
 MAX_LOGIT_BIAS_BYTES = 65536
 # A structured output's schema, regex or grammar.
 MAX_GUIDE_BYTES = 1 << 20
+# Sequences of one request (num_return_sequences): each is a request of the engine's.
+MAX_RETURN_SEQUENCES = 8
 
 # The server's secret for what only its own parts may ask of the llm model: the ensemble's flow
 # control and tritone-openai's aborts. The launcher makes one at every start and hands it to
@@ -187,6 +189,9 @@ class LLMRequest:
     stop_words: list[str] = field(default_factory=list)
     # Postprocessing marks the chunks on the flow board (a stream of the ensemble).
     flow_control: bool = False
+    # TensorRT-LLM's num_return_sequences: sequences of the prompt, each its own engine request
+    # (sequence i draws from seed + i), each response naming its sequence_index.
+    num_return_sequences: int = 1
 
 
 def parse_llm_request(get: Getter, server_key: bytes | None = None) -> LLMRequest:
@@ -226,7 +231,11 @@ def parse_llm_request(get: Getter, server_key: bytes | None = None) -> LLMReques
         lora_id=int(scalar(get, "LORA_TASK_ID", 0)),
         guide=parse_guide(get),
     )
+    num_sequences = int(scalar(get, "NUM_RETURN_SEQUENCES", 1))
+    if not 1 <= num_sequences <= MAX_RETURN_SEQUENCES:
+        raise ValueError(f"num_return_sequences must be in [1, {MAX_RETURN_SEQUENCES}], got {num_sequences}")
     return LLMRequest(
+        num_return_sequences=num_sequences,
         prompt_ids=input_ids.reshape(-1).tolist(),
         params=params,
         stream=bool(scalar(get, "STREAM", False)),

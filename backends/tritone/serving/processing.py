@@ -174,6 +174,9 @@ class Postprocessor:
         if top is not None:  # only for requests that asked for num_top_log_probs
             result["OUT_TOP_LOG_PROBS"] = np.array([self.top_log_probs(new_ids, top, get("TOP_IDS")).encode()],
                                                    np.object_)
+        sequence = get("SEQUENCE_INDEX")
+        if sequence is not None:  # only for requests of several sequences
+            result["OUT_SEQUENCE_INDEX"] = sequence.reshape(-1)[:1].astype(np.int32)
         prompt = get("PROMPT_LOG_PROBS")
         if prompt is not None:  # only for requests that asked for num_prompt_log_probs, once
             result["OUT_PROMPT_LOG_PROBS"] = np.array(

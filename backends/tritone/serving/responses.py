@@ -88,6 +88,8 @@ class ResponseStream:
     sends: Iterator[int] = field(default_factory=itertools.count)
     # The last chunk sent, until the stream's final one.
     in_flight: ChunkWatch | None = None
+    # Which of its request's num_return_sequences this stream is (None: the only one).
+    sequence_index: int | None = None
 
     def __post_init__(self):
         if not self.request.exclude_input_in_output:
@@ -142,6 +144,8 @@ class ResponseStream:
         state = ResponseState(final, skip, num_dropped, len(self.request.prompt_ids), last,
                               reason.value if final and reason else "", self.key, seq, sent)
         tensors = {"TOKEN_IDS": np.array(new_ids, dtype=np.int32), "STATE": state.tensor(context)}
+        if self.sequence_index is not None:
+            tensors["SEQUENCE_INDEX"] = np.array([self.sequence_index], dtype=np.int32)
         if self.request.params.return_log_probs:
             tensors["LOG_PROBS"] = np.array([sum(self.log_probs[:last])] + self.log_probs[first:last], dtype=np.float32)
         k = self.request.params.num_top_log_probs
