@@ -264,3 +264,24 @@ def test_the_top_p_kernel_keeps_what_the_sort_keeps():
     want = _mask_top_k_top_p_sorted(x.clone(), torch.full((8,), 8000), top_p)
     assert torch.equal(torch.isinf(ours), torch.isinf(want))
     assert torch.equal(ours[7], x[7])
+
+
+def test_staged_sampling_values_draw_what_plain_ones_draw():
+    """The GPU's path: every per-request value through pinned staging buffers (run here on host
+    buffers) gives the tokens and log-probabilities of the plain path, over rows that use every
+    transform at once, for several steps (the buffers taken in turn)."""
+    from tritone.executor.staging import HostStaging
+
+    def batch(step):
+        return [request(PROMPT, OUTPUT, seed=step, repetition_penalty=1.3, frequency_penalty=0.5,
+                        bad_token_ids=[[41, 12]], logit_bias={5: 3.0}, return_log_probs=True),
+                request(PROMPT, OUTPUT[:2], seed=step + 1, min_tokens=5, return_log_probs=True),
+                *(request(PROMPT, OUTPUT, seed=step + 2 + i, presence_penalty=0.3, return_log_probs=True, **w)
+                  for i, w in enumerate(WARPS)),
+                request(PROMPT, OUTPUT, seed=step + 9, temperature=0.0, return_log_probs=True)]
+
+    staged = Sampler(HostStaging(torch.device("cpu"), 1 << 22, pinned=True))
+    assert staged.staging.staged
+    for step in range(3):
+        logits = random_logits(len(batch(step)), seed=10 + step)
+        assert staged(logits.clone(), batch(step)) == Sampler()(logits.clone(), batch(step))

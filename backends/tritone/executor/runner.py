@@ -117,7 +117,8 @@ class ModelRunner(RunnerBase):
             num_kv_heads = shard.kv_heads[1]
         # One slot past the last block takes the keys and values of the warm-up's tokens.
         self.spare_slot = self.num_blocks * self.block_size
-        self.sampler, self.sampling = Sampler(), SamplingTable()
+        # Its own pinned buffers (a step's sampling values, penalties' counts included).
+        self.sampler, self.sampling = Sampler(HostStaging(self.device, 8 << 20)), SamplingTable()
         self.kv_caches = [
             (torch.zeros(self.spare_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device),
              torch.zeros(self.spare_slot + 1, num_kv_heads, head_dim, dtype=self.dtype, device=self.device))
