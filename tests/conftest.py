@@ -145,6 +145,13 @@ def openai_server(model_dir, tmp_path_factory):
     log.close()
 
 
+@pytest.fixture(scope="session")
+def openai_client(openai_server):
+    import openai
+
+    return openai.OpenAI(base_url=openai_server.openai_url, api_key="none", max_retries=0)
+
+
 def open_http_generate_stream(server, max_tokens: int, num_events: int = 3) -> socket.socket:
     """A raw HTTP generate_stream of the ensemble, read until its first `num_events` events;
     the caller drops the connection by closing the returned socket."""

@@ -160,8 +160,8 @@ def server(openai_server):
 
 
 @pytest.fixture(scope="module")
-def client(server):
-    return openai.OpenAI(base_url=server.openai_url, api_key="none", max_retries=0)
+def client(openai_client):
+    return openai_client
 
 
 @pytest.mark.integration

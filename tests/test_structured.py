@@ -21,18 +21,13 @@ QUESTION = [{"role": "user", "content": "Describe a person who lives in a city."
 
 
 @pytest.fixture(scope="module")
-def srv(openai_server):
-    return openai_server
+def client(openai_client):
+    return openai_client
 
 
 @pytest.fixture(scope="module")
-def client(srv):
-    return openai.OpenAI(base_url=srv.openai_url, api_key="none", max_retries=0)
-
-
-@pytest.fixture(scope="module")
-def model(srv):
-    return srv.model_dir.name
+def model(openai_server):
+    return openai_server.model_dir.name
 
 
 def answer(client, model, stream=False, **kwargs):
@@ -100,8 +95,8 @@ def test_bad_constraints_are_400_naming_the_field_and_the_server_goes_on(client,
     assert answer(client, model, max_tokens=4)
 
 
-def test_the_ensemble_takes_tensorrt_llm_guided_decoding_inputs(srv):
-    with TritoneClient(f"127.0.0.1:{srv.args.grpc_port}") as triton:
+def test_the_ensemble_takes_tensorrt_llm_guided_decoding_inputs(openai_server):
+    with TritoneClient(f"127.0.0.1:{openai_server.args.grpc_port}") as triton:
         chunks = list(triton.generate(QUESTION, max_tokens=64, stream=True, guided_decoding_guide_type="json_schema",
                                       guided_decoding_guide=json.dumps(PERSON)))
         jsonschema.validate(json.loads("".join(c.text for c in chunks)), PERSON)
@@ -219,10 +214,10 @@ def test_a_tool_call_round_trip_on_a_qwen_template_model(qwen_srv, stream):
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http"])
-def test_tritone_client_constrains_from_the_command_line(srv, capsys, protocol):
+def test_tritone_client_constrains_from_the_command_line(openai_server, capsys, protocol):
     from tritone_client.cli import main
 
-    port = srv.args.grpc_port if protocol == "grpc" else srv.args.http_port
+    port = openai_server.args.grpc_port if protocol == "grpc" else openai_server.args.http_port
     assert main(["generate", "--url", f"127.0.0.1:{port}", "--protocol", protocol, "--max-tokens", "32",
                  "--regex", PHONE, "Your phone number:"]) == 0
     assert re.fullmatch(PHONE, capsys.readouterr().out.strip())
