@@ -76,7 +76,9 @@ def compile_model(model: torch.nn.Module) -> bool:
         # answer to "What is the capital of France?" from "The capital of France is Paris." into
         # "L'Étoile, la Marseillaise, ..." (the first token a near-tie: 0.08 apart in float32).
         inductor_config.emulate_precision_casts = True
-        key = (model.spec, model.embed_tokens.weight.dtype)
+        # LoRA's stacked weights are inputs of the graph too, of shapes it is traced with.
+        adapters = model.layers[0].self_attn.qkv_proj.lora_a
+        key = (model.spec, model.embed_tokens.weight.dtype, None if adapters is None else tuple(adapters.shape))
         if key not in _compiled:
             # Guards are dropped, as vLLM does: every call has the same dtypes and layouts, the
             # layer's weights are inputs, and the token count is symbolic, so the checks that

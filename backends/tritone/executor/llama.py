@@ -283,7 +283,10 @@ class LlamaForCausalLM(nn.Module):
             for t in (x, residual, cos, sin) + (() if lora is None else (lora,)):
                 torch._dynamo.mark_dynamic(t, 0, min=2, max=1 << 20)
         for layer in self.layers:
-            x, residual = layer_forward(layer, x, residual, cos, sin, lora)
+            if lora is None:
+                x, residual = layer_forward(layer, x, residual, cos, sin)
+            else:
+                x, residual = layer_forward(layer, x, residual, cos, sin, lora)
         x = (x + residual)[logits_indices]
         return self.norm(x)
 
