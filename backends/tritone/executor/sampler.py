@@ -111,7 +111,7 @@ class Sampler:
         logits = logits.float()
         to = self.to
         if guided_rows:
-            apply_bitmask(logits, list(guided_rows), bitmask)
+            apply_bitmask(logits, list(guided_rows), bitmask, to)
         apply_logit_bias(logits, requests, to)
         apply_penalties(logits, requests, to)
         apply_bans(logits, requests, to)
