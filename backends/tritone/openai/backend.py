@@ -174,8 +174,8 @@ class Echo:
         if not self.keep_output:
             chunk.text, chunk.output_log_probs, chunk.top_log_probs = "", [], []
             chunk.num_output_tokens, chunk.cum_log_prob = 0, 0.0
-            chunk.finish_reason = chunk.finish_reason and ("length" if chunk.finish_reason in ("stop", "length")
-                                                           else chunk.finish_reason)
+            if chunk.finish_reason == "stop":  # the dropped token's end: the answer stopped at its length
+                chunk.finish_reason = "length"
         if not self.is_started:
             self.is_started = True
             prompt = self.prompt if self.prompt is not None else "".join(t[0] for t in chunk.prompt_log_probs)

@@ -198,13 +198,10 @@ class Grammars:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray, to=None) -> None:
+def apply_bitmask(logits: torch.Tensor, rows: list[int], bitmask: np.ndarray, to) -> None:
     """Masks, in place, the logits rows `rows` [B, V] to the tokens that `bitmask` (one row per
     entry of `rows`, from Grammars.fill_bitmask) allows: one masking operation. `to(array,
-    device, dtype)`: how host arrays reach the logits' device (the sampler's pinned staging)."""
-    if to is None:
-        def to(array, device, dtype=None):
-            return torch.from_numpy(np.ascontiguousarray(np.asarray(array, dtype=dtype))).to(device)
+    device, dtype)`: how host arrays reach the logits' device (the sampler's ToDevice)."""
     index = to(rows, logits.device, np.int64)
     sub = logits.index_select(0, index)
     _xgrammar().apply_token_bitmask_inplace(sub, to(bitmask, logits.device),
