@@ -105,6 +105,7 @@ void gemm_run_item(const Plan *pl, const void *a, const void *panels, const floa
     const int mb = pl->M - m0 < pl->mc ? pl->M - m0 : pl->mc;
     const int end = (chunk + 1) * CHUNK < pl->P ? (chunk + 1) * CHUNK : pl->P;
     const int nr = pl->kn->nr;
+    if (pl->kn->begin) pl->kn->begin();
     for (int p = chunk * CHUNK; p < end; p++) {
         const int q = panel_after(p, end, next_item, pl->items, pl->chunks, pl->P);
         const char *panel = (const char *)panels + (size_t)p * pl->panel_bytes;

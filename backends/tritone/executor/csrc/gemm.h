@@ -22,6 +22,7 @@ typedef struct {
     int k_pad;             /* K rounded up to a multiple of this in A's rows and in panels */
     void (*rows)(const void *a, int M, int K, int N, const void *panel, float *c, int ncols, const float *bias,
                  const void *next);
+    void (*begin)(void);   /* where set, called before an item's first panel (AMX: tiles not yet configured) */
 } Kernel;
 
 extern const Kernel gemm_kernel_f32; /* gemm_tiles.c */
