@@ -83,13 +83,14 @@ def hf_greedy(hf_model, prompt_ids: list[int], max_new_tokens: int, end_ids=(2,)
 
 def start_server(tmp_path_factory, name: str, *options: str):
     """A real tritonserver, ready, on free ports: the real model repository and the default model
-    in fp32 (so that greedy output can be compared token for token with Hugging Face), with extra
-    launcher `options`. Returns it and its open log file (server.log in its run directory)."""
+    in fp32 (so that greedy output can be compared token for token with Hugging Face), the
+    three-process ensemble unless `options` name another --pipeline, with extra launcher
+    `options`. Returns it and its open log file (server.log in its run directory)."""
     from tritone.launcher import Server, build_parser
 
     args = build_parser().parse_args([
         "--http-port", str(free_port()), "--grpc-port", str(free_port()), "--metrics-port", str(free_port()),
-        "--dtype", "float32", "--openai-port", "0", *options,
+        "--dtype", "float32", "--openai-port", "0", "--pipeline", "ensemble", *options,
     ])
     run_dir = tmp_path_factory.mktemp(name)
     log = open(run_dir / "server.log", "w")
@@ -134,12 +135,13 @@ def server(model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def openai_server(model_dir, tmp_path_factory):
-    """A server as `server`, with tritone-openai on a free port: shared by the modules that call the
-    OpenAI API with the default flags (log probabilities, choices, structured outputs)."""
+    """A server with tritone-openai on a free port, on the pipeline scripts/serve picks here (on a
+    CPU, llm_inline served as the ensemble): shared by the modules that call the OpenAI API with the
+    default flags (log probabilities, choices, structured outputs)."""
     from tritone.processes import free_port
 
     srv, log = start_server(tmp_path_factory, "openai_server", "--kv-cache-bytes", str(256 << 20),
-                            "--openai-port", str(free_port()))
+                            "--openai-port", str(free_port()), "--pipeline", "auto")
     yield srv
     srv.stop()
     log.close()

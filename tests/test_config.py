@@ -11,6 +11,7 @@ from google.protobuf import json_format, text_format
 from tritonclient.grpc import model_config_pb2
 
 from tritone.config import OPTIONS, EngineConfig, Option, parameter
+from tritone.launcher.repository import SERVED_AS
 from tritone.launcher import ENSEMBLE_MODELS, INLINE_MODELS, build_parser, model_repository, render_repository, \
     template_values
 from tritone.serving.inputs import model_parameters
@@ -52,7 +53,7 @@ def _rendered_parameters(tmp_path, argv: list[str], models) -> dict[str, dict[st
                                                        **LAUNCHER_PATHS}, models)
     out = {}
     for model in models:
-        text = (repository / model / "config.pbtxt").read_text()
+        text = (repository / SERVED_AS.get(model, model) / "config.pbtxt").read_text()
         assert "${" not in text, f"{model}: a template is left unfilled"
         config = text_format.Parse(text, model_config_pb2.ModelConfig())
         out[model] = model_parameters(json.loads(json_format.MessageToJson(config, preserving_proto_field_name=True)))
@@ -135,10 +136,11 @@ def test_an_installed_package_carries_the_model_repository(tmp_path):
                     str(wheel)], check=True)
     script = ("import pathlib, sys; from tritone.launcher import *; "
               "v = {**template_values(build_parser().parse_args([]), pathlib.Path('M')), 'flow_board': 'F', "
-              "'shutdown_file': 'S'}; r = render_repository(pathlib.Path(sys.argv[1]), v, ENSEMBLE_MODELS + INLINE_MODELS); "
-              "print(model_repository()); print(sorted(p.name for p in r.iterdir() if (p / '1').is_dir()))")
+              "'shutdown_file': 'S'}; print(model_repository()); "
+              "print([sorted(p.name for p in render_repository(pathlib.Path(sys.argv[1]) / str(i), v, m).iterdir() "
+              "if (p / '1').is_dir()) for i, m in enumerate((ENSEMBLE_MODELS, INLINE_MODELS))])")
     out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "rendered")], check=True, text=True,
                          capture_output=True, cwd=tmp_path, env={"PYTHONPATH": str(tmp_path / "site"),
                                                                 "PATH": "/usr/bin:/bin"}).stdout.splitlines()
     assert out[0].startswith(str(tmp_path / "site"))
-    assert out[1] == str(sorted(ENSEMBLE_MODELS + INLINE_MODELS))
+    assert out[1] == str([sorted(ENSEMBLE_MODELS), ["ensemble"]])  # llm_inline serves as the ensemble

@@ -137,7 +137,7 @@ def test_serve_options_follow_the_launchers_parser():
     by_option = {row[0]: row for row in rows}
     assert by_option["`--http-port`"][1] == "`8000`"
     assert by_option["`--host`"][2].startswith("address to bind")  # the parser's own help
-    assert by_option["`--inline`"][1] == "off" and by_option["`--api-key`"][1] == "none"
+    assert by_option["`--pipeline`"][1] == "`auto`" and by_option["`--api-key`"][1] == "none"
     assert "one of `auto`, `native`, `torch`" in by_option["`--forward`"][2]
     assert all(row[2] for row in rows)  # every option says what it does
 

@@ -1,5 +1,6 @@
-"""The single-process ablation `llm_inline`: rendered only when asked, and it answers as the
-ensemble does (the ensemble from the session server, llm_inline from a server of its own)."""
+"""`llm_inline`, the engine's process doing the text work too (--pipeline inline, the default where
+the engine runs on the CPU): rendered as the model "ensemble" when asked, and it answers as the
+three-process ensemble does (that from the session server, llm_inline from a server of its own)."""
 
 import pathlib
 
@@ -8,6 +9,7 @@ import pytest
 
 from conftest import start_server
 from tritone.launcher import ENSEMBLE_MODELS, INLINE_MODELS, build_parser, render_repository, template_values
+from tritone.launcher.options import resolve_pipeline
 from tritone.serving.inline import InlineText
 from tritone_client import TritoneClient, infer_inputs
 
@@ -17,8 +19,19 @@ def test_the_launcher_renders_only_the_selected_models(tmp_path):
               "shutdown_file": "S"}
     assert sorted(p.name for p in render_repository(tmp_path / "a", values).iterdir()) == sorted(ENSEMBLE_MODELS)
     rendered = render_repository(tmp_path / "b", values, INLINE_MODELS)
-    assert [p.name for p in rendered.iterdir()] == ["llm_inline"]
-    assert 'string_value: "M"' in (rendered / "llm_inline" / "config.pbtxt").read_text()
+    assert [p.name for p in rendered.iterdir()] == ["ensemble"]  # every client of the ensemble calls it
+    config = (rendered / "ensemble" / "config.pbtxt").read_text()
+    assert 'string_value: "M"' in config and '\nname: "ensemble"\n' in config and "llm_inline\"" not in config
+
+
+def test_the_pipeline_is_inline_on_the_cpu_and_the_ensemble_on_a_gpu_unless_asked():
+    parse = build_parser().parse_args
+    assert resolve_pipeline(parse(["--device", "cpu"])) == "inline"
+    assert resolve_pipeline(parse(["--device", "cuda:1"])) == "ensemble"
+    assert resolve_pipeline(parse(["--device", "cpu", "--pipeline", "ensemble"])) == "ensemble"
+    assert resolve_pipeline(parse(["--device", "cuda", "--pipeline", "inline"])) == "inline"
+    import torch
+    assert resolve_pipeline(parse([])) == ("ensemble" if torch.cuda.is_available() else "inline")
 
 
 def test_inline_text_parses_ensemble_inputs_and_names_bad_fields(model_dir, tokenizer):
@@ -33,7 +46,7 @@ def test_inline_text_parses_ensemble_inputs_and_names_bad_fields(model_dir, toke
 
 @pytest.fixture(scope="module")
 def inline_server(model_dir, tmp_path_factory):
-    srv, log = start_server(tmp_path_factory, "tritonserver-inline", "--kv-cache-bytes", str(256 << 20), "--inline")
+    srv, log = start_server(tmp_path_factory, "tritonserver-inline", "--kv-cache-bytes", str(256 << 20), "--pipeline", "inline")
     try:
         yield srv
     finally:
@@ -46,7 +59,7 @@ def inline_server(model_dir, tmp_path_factory):
 def test_llm_inline_answers_as_the_ensemble(server, inline_server):
     prompt = "Write a haiku about the sea, then explain it."
     ensemble = TritoneClient(f"127.0.0.1:{server.args.grpc_port}")
-    inline = TritoneClient(f"127.0.0.1:{inline_server.args.grpc_port}", model="llm_inline")
+    inline = TritoneClient(f"127.0.0.1:{inline_server.args.grpc_port}", model="ensemble")
     with ensemble, inline:
         expected = ensemble.complete(prompt, max_tokens=40)
         assert inline.complete(prompt, max_tokens=40) == expected

@@ -30,17 +30,34 @@ QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 LONG_TOKENS = 2000
 
 
+OAI_OPTIONS = ("--kv-cache-bytes", str(256 << 20), "--api-key", API_KEY, "--max-num-seqs", "1", "--max-queue-len", "1")
+
+
 @pytest.fixture(scope="module")
 def oai_server(model_dir, tmp_path_factory):
     # One sequence at a time and a queue of one, so that a third request at once is refused.
-    srv, log = start_server(tmp_path_factory, "openai_server", "--kv-cache-bytes", str(256 << 20),
-                            "--openai-port", str(free_port()), "--api-key", API_KEY,
-                            "--max-num-seqs", "1", "--max-queue-len", "1")
+    srv, log = start_server(tmp_path_factory, "openai_server", *OAI_OPTIONS, "--openai-port", str(free_port()))
     yield srv
     # Not asserted: Triton 2.51 keeps ensemble requests that a client cancelled counted in flight,
     # so this server's exit waits out its exit timeout (docs/operations.md, Cancellation).
     srv.stop()
     log.close()
+
+
+@pytest.fixture(scope="module")
+def inline_oai_server(model_dir, tmp_path_factory):
+    """As oai_server, with the text work in the engine's process (--pipeline inline): no llm model
+    to send aborts to, so a client's leaving must reach the engine through its own stream."""
+    srv, log = start_server(tmp_path_factory, "openai_inline", *OAI_OPTIONS, "--openai-port", str(free_port()),
+                            "--pipeline", "inline")
+    yield srv
+    srv.stop()
+    log.close()
+
+
+@pytest.fixture(params=["ensemble", "inline"])
+def any_server(request):
+    return request.getfixturevalue("oai_server" if request.param == "ensemble" else "inline_oai_server")
 
 
 @pytest.fixture(scope="module")
@@ -269,37 +286,39 @@ def cancel_grpc_ensemble_stream(server, model):
 
 @pytest.mark.parametrize("leave", [drop_openai_stream, drop_http_generate_stream, cancel_grpc_ensemble_stream],
                          ids=["openai-sse", "http-generate-stream", "grpc-ensemble"])
-def test_a_client_that_goes_away_frees_the_engine_within_a_second(oai_server, client, model, leave):
-    assert wait_for(lambda: kv_blocks_used(oai_server) == 0, 30)
-    before = metric_values(oai_server)["tritone_generation_tokens_total"]
-    go_away = leave(oai_server, model)
+def test_a_client_that_goes_away_frees_the_engine_within_a_second(any_server, model, leave):
+    assert wait_for(lambda: kv_blocks_used(any_server) == 0, 30)
+    before = metric_values(any_server)["tritone_generation_tokens_total"]
+    go_away = leave(any_server, model)
     # The gauge trails the engine by a quarter second at most: it has seen the request.
-    assert wait_for(lambda: kv_blocks_used(oai_server) > 0, 5)
+    assert wait_for(lambda: kv_blocks_used(any_server) > 0, 5)
     start = time.monotonic()
     go_away()
-    assert wait_for(lambda: kv_blocks_used(oai_server) == 0, 1.0), \
+    assert wait_for(lambda: kv_blocks_used(any_server) == 0, 1.0), \
         f"KV blocks still in use {time.monotonic() - start:.2f} s after the client left"
-    values = metric_values(oai_server)
+    values = metric_values(any_server)
     assert values["tritone_num_requests_running"] == 0 and values["tritone_num_requests_waiting"] == 0
     assert values["tritone_generation_tokens_total"] - before < 200
     # And the server goes on serving.
+    client = openai.OpenAI(base_url=any_server.openai_url, api_key=API_KEY, max_retries=0)
     answer = client.chat.completions.create(model=model, messages=QUESTION, max_tokens=24, temperature=0)
     assert "Paris" in answer.choices[0].message.content
 
 
-def test_a_queued_request_whose_client_leaves_is_dropped_from_the_engine(oai_server, model):
+def test_a_queued_request_whose_client_leaves_is_dropped_from_the_engine(any_server, model):
     # The server runs one sequence at a time: B waits behind A and has sent nothing back, so no
-    # postprocessing step can see its cancellation; the front end tells the engine directly.
-    cancel_a = cancel_grpc_ensemble_stream(oai_server, model)
+    # postprocessing step can see its cancellation: through the ensemble the front end tells the
+    # engine directly; inline, the engine's own model sees B's stream cancelled.
+    cancel_a = cancel_grpc_ensemble_stream(any_server, model)
     try:
         body = json.dumps({"model": model, "prompt": "Hello", "max_tokens": 50, "stream": True}).encode()
-        b = socket.create_connection((oai_server.args.host, int(oai_server.openai_url.split(":")[2].split("/")[0])))
+        b = socket.create_connection((any_server.args.host, int(any_server.openai_url.split(":")[2].split("/")[0])))
         b.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: tritone\r\nAuthorization: Bearer %s\r\n"
                   b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (API_KEY.encode(), len(body), body))
-        assert wait_for(lambda: metric_values(oai_server)["tritone_num_requests_waiting"] == 1, 5)
+        assert wait_for(lambda: metric_values(any_server)["tritone_num_requests_waiting"] == 1, 5)
         b.close()
-        assert wait_for(lambda: metric_values(oai_server)["tritone_num_requests_waiting"] == 0, 1.0)
-        assert metric_values(oai_server)["tritone_num_requests_running"] == 1  # A goes on
+        assert wait_for(lambda: metric_values(any_server)["tritone_num_requests_waiting"] == 0, 1.0)
+        assert metric_values(any_server)["tritone_num_requests_running"] == 1  # A goes on
     finally:
         cancel_a()
-    assert wait_for(lambda: kv_blocks_used(oai_server) == 0, 1.0)
+    assert wait_for(lambda: kv_blocks_used(any_server) == 0, 1.0)

@@ -193,7 +193,8 @@ def run_tritone(args, model_dir, workload, results) -> None:
     RUNS.mkdir(parents=True, exist_ok=True)
     with temporary_server(RUNS / "tritone-server.log", *options) as server:
         url = f"{server.args.host}:{server.args.grpc_port}"
-        model = "llm_inline" if server.args.inline else "ensemble"
+        model = "ensemble"  # llm_inline answers under this name too (--pipeline inline)
+        results["tritone_pipeline"] = server.pipeline
         run_levels(args, "Tritone", lambda schema: GrpcStreams(url, model, args.temperature, args.top_p, schema),
                    workload, results, "tritone", ServerMetrics.of(server), ProcessTree(server.process.pid))
         if args.lora_mix:

@@ -113,7 +113,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--url", default="127.0.0.1:8001", help="gRPC address of the server (default 127.0.0.1:8001)")
     p.add_argument("--metrics-url", help="the server's metrics endpoint, for the forward-busy fraction "
                                          "(e.g. http://127.0.0.1:8002/metrics)")
-    p.add_argument("--model", default="ensemble", help="model to call: ensemble (default) or llm_inline")
+    p.add_argument("--model", default="ensemble", help="model to call (default ensemble)")
     p.add_argument("--tokenizer", help="tokenizer directory for exact prompt lengths (default: the default model)")
     p.add_argument("--concurrency", type=int, nargs="+", default=[1], help="closed-loop levels, e.g. 1 4 16")
     p.add_argument("--prompt-tokens", type=int, default=64)

@@ -30,6 +30,8 @@ def role(comm: str, cmdline: bytes) -> str:
         return "tritonserver"
     if b"python_backend_stub" in cmdline:
         model = _STUB_MODEL.search(cmdline)
+        if model and model.group(1) == b"ensemble":  # Triton's ensembles have no process: llm_inline serves as one
+            return "llm_inline"
         return model.group(1).decode() if model else "python backend"
     if b"tritone.openai" in cmdline:
         return "openai front end"

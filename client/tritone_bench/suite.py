@@ -63,12 +63,12 @@ def run_model(name: str, plan: dict, out_dir: pathlib.Path, perf_analyzer: bool)
         # turn a long prompt into a short one.
         options = ["--model", str(model_dir), "--kv-cache-bytes", str(1 << 30), "--no-prefix-caching"]
         with temporary_server(out_dir / f"server_{name}_{stack}.log",
-                              *options, *(["--inline"] if stack == "llm_inline" else [])) as server:
+                              *options, "--pipeline", "inline" if stack == "llm_inline" else "ensemble") as server:
             url = f"{server.args.host}:{server.args.grpc_port}"
-            measure_level(GrpcStreams(url, stack), Workload.fixed(factory, 4, 16, 4), 4, num_requests=8,
+            measure_level(GrpcStreams(url, "ensemble"), Workload.fixed(factory, 4, 16, 4), 4, num_requests=8,
                           progress=False)  # first-call costs out of the way
             for kind, c, window in levels:
-                stats = measure_level(GrpcStreams(url, stack), workloads[kind], c, duration=window,
+                stats = measure_level(GrpcStreams(url, "ensemble"), workloads[kind], c, duration=window,
                                       warmup=plan["warmup"], metrics=ServerMetrics.of(server),
                                       ttft_target=2.0, tpot_target=0.2)
                 rows.append({"model": name, "prompts": kind, "stack": stack, **stats})

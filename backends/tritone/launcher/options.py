@@ -33,9 +33,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="processes of the detokenizer model (more where the text path falls behind)")
     p.add_argument("--exit-timeout", type=int, default=30,
                    help="seconds in-flight requests get to finish on shutdown, while new ones are refused")
-    p.add_argument("--inline", action="store_true",
-                   help="serve llm_inline (tokenizer, engine and detokenizer in one process, the benchmarks' "
-                        "ablation) instead of the ensemble")
+    p.add_argument("--pipeline", default="auto", choices=["auto", "ensemble", "inline"],
+                   help="where the text work runs: ensemble (preprocessing and postprocessing models in processes "
+                        "of their own, chained to the engine by Triton's ensemble), inline (tokenizer and "
+                        "detokenizer in the engine's process, the model llm_inline served under the name "
+                        "ensemble, same inputs and outputs), auto (default): inline where the engine runs on the "
+                        "CPU, whose cores the text processes and their messages would take from it, the ensemble "
+                        "on a GPU")
     p.add_argument("--openai-port", type=int, default=9000,
                    help="port of tritone-openai, the OpenAI-compatible API on --host (default 9000; 0: off)")
     p.add_argument("--api-key", default=None,
@@ -71,6 +75,22 @@ def _add_option(group, option: Option) -> None:
         return
     group.add_argument(option.flag_name, dest=option.name, type=option.type, default=option.default,
                        choices=list(option.choices) or None, help=f"{option.help} (default {option.default})")
+
+
+def resolve_pipeline(args) -> str:
+    """`--pipeline` as served: auto is inline where the engine's device is the CPU. On a 2-core
+    Xeon with AMX, the default model, our client, concurrency 32 / 128: 612 / 720 tok/s through the
+    ensemble, 762 / 782 inline (docs/performance-log.md, 2026-12-06); a token's trip through
+    tritonserver to postprocessing and back costs CPU the engine's threads wait for."""
+    pipeline = getattr(args, "pipeline", "auto")
+    if pipeline != "auto":
+        return pipeline
+    device = getattr(args, "device", "auto")
+    if device == "auto":
+        import torch
+
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    return "inline" if device == "cpu" else "ensemble"
 
 
 def template_values(args, model_dir: pathlib.Path) -> dict[str, object]:

@@ -21,6 +21,9 @@ _TEMPLATE = re.compile(r"\$\{(\w+)\}")
 # compare it with (never both by default: each loads the model).
 ENSEMBLE_MODELS = ("preprocessing", "llm", "postprocessing", "ensemble")
 INLINE_MODELS = ("llm_inline",)
+# Models served under another name: llm_inline answers as "ensemble" (its inputs and outputs are
+# the ensemble's), so that every client of the ensemble calls it unchanged.
+SERVED_AS = {"llm_inline": "ensemble"}
 
 
 def model_repository() -> pathlib.Path:
@@ -40,12 +43,19 @@ def render_repository(target: pathlib.Path, values: dict[str, object],
     target.mkdir(parents=True)
     source = model_repository()
     for model in models:
-        shutil.copytree(source / model, target / model, ignore=shutil.ignore_patterns("__pycache__"))
-        (target / model / "1").mkdir(exist_ok=True)  # the ensemble's is empty, and packages drop empty folders
-        config = target / model / "config.pbtxt"
+        name = SERVED_AS.get(model, model)
+        shutil.copytree(source / model, target / name, ignore=shutil.ignore_patterns("__pycache__"))
+        (target / name / "1").mkdir(exist_ok=True)  # the ensemble's is empty, and packages drop empty folders
+        config = target / name / "config.pbtxt"
         filled = {**values, "parameters": model_parameters_text(model, values)}
-        missing = sorted(set(_TEMPLATE.findall(config.read_text())) - filled.keys())
+        text = config.read_text()
+        missing = sorted(set(_TEMPLATE.findall(text)) - filled.keys())
         if missing:
             raise KeyError(f"{model}/config.pbtxt: no value for {', '.join(missing)}")
-        config.write_text(_TEMPLATE.sub(lambda m: str(filled[m.group(1)]), config.read_text()))
+        text = _TEMPLATE.sub(lambda m: str(filled[m.group(1)]), text)
+        if name != model:
+            text, renamed = re.subn(rf'^name: "{model}"$', f'name: "{name}"', text, count=1, flags=re.M)
+            if not renamed:
+                raise KeyError(f"{model}/config.pbtxt: no name line to serve it as {name}")
+        config.write_text(text)
     return target

@@ -19,7 +19,7 @@ import urllib.request
 from tritone.cache import cache_root
 from tritone.checkpoints import resolve_model
 from tritone.launcher.install import TritonInstall, find_malloc, find_tritonserver
-from tritone.launcher.options import ADMIN_HEADER, RESTRICTED_APIS, build_parser, template_values
+from tritone.launcher.options import ADMIN_HEADER, RESTRICTED_APIS, build_parser, resolve_pipeline, template_values
 from tritone.launcher.repository import ENSEMBLE_MODELS, INLINE_MODELS, render_repository
 from tritone.processes import die_with_parent, free_port
 from tritone.serving import flow
@@ -50,6 +50,8 @@ class Server:
         self._stdout = None
         self._is_stopping = False
         self._skip_drain = False
+        # "ensemble" or "inline" (--pipeline, auto resolved once: a restart serves the same).
+        self.pipeline = resolve_pipeline(args)
 
     def command(self, install: TritonInstall, repository: pathlib.Path) -> list[str]:
         a = self.args
@@ -70,7 +72,7 @@ class Server:
     def start(self, stdout=None) -> None:
         self._stdout = stdout
         install = find_tritonserver()
-        models = INLINE_MODELS if getattr(self.args, "inline", False) else ENSEMBLE_MODELS
+        models = INLINE_MODELS if self.pipeline == "inline" else ENSEMBLE_MODELS
         for stale in (self.shutdown_file, self.drained_file):
             stale.unlink(missing_ok=True)
         flow.remove_stale()
@@ -86,8 +88,10 @@ class Server:
         malloc = find_malloc(getattr(self.args, "malloc", "auto"))
         if malloc is not None:
             env["LD_PRELOAD"] = os.pathsep.join(p for p in (malloc, env.get("LD_PRELOAD", "")) if p)
-        print(f"tritone: tritonserver and its model processes allocate with {malloc or 'the C library'}",
-              file=stdout or sys.stdout, flush=True)
+        asked = getattr(self.args, "pipeline", "auto") != "auto"
+        why = "as asked" if asked else "the engine on the CPU" if self.pipeline == "inline" else "the engine on a GPU"
+        print(f"tritone: tritonserver and its model processes allocate with {malloc or 'the C library'}; "
+              f"pipeline: {self.pipeline} ({why})", file=stdout or sys.stdout, flush=True)
         self.process = subprocess.Popen(self.command(install, repository), env=env, stdout=stdout,
                                         stderr=subprocess.STDOUT if stdout else None,
                                         start_new_session=True, preexec_fn=die_with_parent)
@@ -109,7 +113,8 @@ class Server:
             parser = parser_for_template(chat_template_text(self.model_dir))
         command = [sys.executable, "-m", "tritone.openai", "--grpc-url", f"{grpc_host}:{a.grpc_port}",
                    "--host", a.host, "--port", str(a.openai_port), "--model-name", self.model_dir.name,
-                   "--tool-call-parser", parser, "--max-body-bytes", str(self.max_body_bytes)]
+                   "--tool-call-parser", parser, "--max-body-bytes", str(self.max_body_bytes),
+                   "--pipeline", self.pipeline]
         if getattr(a, "reasoning_parser", None):
             command += ["--reasoning-parser", a.reasoning_parser]
         if getattr(a, "lora_modules", ""):  # the adapters' names, which clients send as the model

@@ -31,13 +31,16 @@ ABORT_TIMEOUT_SECONDS = 5.0
 class Backend:
     """The ensemble over one gRPC channel, shared by every request."""
 
-    def __init__(self, url: str, control_key: str | None = None):
+    def __init__(self, url: str, control_key: str | None = None, sends_aborts: bool = True):
         import tritonclient.grpc.aio as grpcaio
 
         self._grpcaio = grpcaio
         self.client = grpcaio.InferenceServerClient(url)
         # The llm model's secret for control requests; without it an abort is refused.
         self.control_key = control_key
+        # False where the model behind "ensemble" is the engine's own (llm_inline): it sees the
+        # gRPC stream cancelled, and there is no llm model to send an abort to.
+        self.sends_aborts = sends_aborts
         self.aborts: set[asyncio.Task] = set()
 
     def _inputs(self, tensors: dict[str, np.ndarray]) -> list:
@@ -56,6 +59,8 @@ class Backend:
         return Generation(self, request_id, self.client.stream_infer(requests()), guide_field, echo)
 
     def _abort_later(self, request_id: str) -> None:
+        if not self.sends_aborts:
+            return
         task = asyncio.get_running_loop().create_task(self.abort(request_id))
         self.aborts.add(task)
         task.add_done_callback(self.aborts.discard)

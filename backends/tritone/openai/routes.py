@@ -44,11 +44,12 @@ class OpenAIServer:
 
     def __init__(self, backend_url: str, model_name: str, api_key: str | None = None, tool_parser: str = "hermes",
                  max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, control_key: str | None = None,
-                 reasoning_parser: str | None = None, adapters: list[str] = ()):
-        """`adapters`: the LoRA adapters' names, in the server's order (lora_task_id 1, 2, ...)."""
+                 reasoning_parser: str | None = None, adapters: list[str] = (), sends_aborts: bool = True):
+        """`adapters`: the LoRA adapters' names, in the server's order (lora_task_id 1, 2, ...);
+        `sends_aborts`: a request whose client leaves is aborted in the llm model (the ensemble)."""
         self.backend_url, self.model_name, self.api_key = backend_url, model_name, api_key
         self.adapters = list(adapters)
-        self.tool_parser, self.control_key = tool_parser, control_key
+        self.tool_parser, self.control_key, self.sends_aborts = tool_parser, control_key, sends_aborts
         # Chat answers are split into reasoning_content and content by it (None: not split).
         self.reasoning_parser = reasoning_parser
         self.backend: Backend | None = None
@@ -61,10 +62,10 @@ class OpenAIServer:
         self._routes()
 
     async def _lifespan(self, app):
-        if not self.control_key:
+        if self.sends_aborts and not self.control_key:
             logger.warning("TRITONE_CONTROL_KEY is not set: aborts of requests whose clients leave cannot reach "
                            "the engine (they run on to max_tokens); set it to the server's control key")
-        self.backend = Backend(self.backend_url, self.control_key)
+        self.backend = Backend(self.backend_url, self.control_key, self.sends_aborts)
         yield
         await self.backend.close()
 

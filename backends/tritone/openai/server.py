@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--lora-modules", default="",
                    help="the server's LoRA adapters as name=path,name=path (scripts/serve's --lora-modules): a request "
                         "whose model is an adapter's name gets that adapter (the ensemble's lora_task_id)")
+    p.add_argument("--pipeline", default="ensemble", choices=["ensemble", "inline"],
+                   help="what serves the model 'ensemble' (scripts/serve passes its --pipeline): ensemble, whose "
+                        "engine Triton does not tell of a dropped stream (server issue #6739), so an abort request "
+                        "goes to the llm model; inline, the engine's own model, which sees the stream dropped")
     p.add_argument("--log-level", default="warning")
     return p
 
@@ -62,6 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     server = OpenAIServer(args.grpc_url, args.model_name, args.api_key, args.tool_call_parser,
                           max_body_bytes=args.max_body_bytes, reasoning_parser=args.reasoning_parser,
                           control_key=os.environ.get("TRITONE_CONTROL_KEY") or None,
+                          sends_aborts=args.pipeline == "ensemble",
                           adapters=[name for name, _ in parse_lora_modules(args.lora_modules)])
     uvicorn.run(server.app, host=args.host, port=args.port, log_level=args.log_level,
                 timeout_graceful_shutdown=5)
