@@ -170,6 +170,67 @@ static inline __attribute__((always_inline)) void accumulate_values_wide(const f
     }
     for (int i = 0; i < D / 16; i++) _mm512_storeu_ps(acc_row + 16 * i, acc[i]);
 }
+
+/* The query heads of one KV group, up to HEAD_CHUNK of them at once, over the same keys: each key
+ * and value row is loaded and widened once for all of them (the widening, two instructions per
+ * sixteen elements, competes with the multiply-adds for the same ports). Decode attention of 128
+ * sequences of 128 tokens, 30 layers, the default model's three heads a group, alternated with the
+ * head-by-head kernel in one process: 44.1 -> 36.9 ms, the same bits. Each head's arithmetic is
+ * that of scores8_wide and accumulate_values_wide, in the same order: a head's result does not
+ * depend on which heads share its pass. */
+#define HEAD_CHUNK 4
+
+/* scale * (q[g] . k[j]) for four keys into out[g][0..4), g < G. */
+static inline __attribute__((always_inline)) void scores4_heads(const float *const *q, const void *const *k,
+                                                              const int D, float scale, float *const *out,
+                                                              const int G) {
+    __m512 acc[HEAD_CHUNK][4];
+    for (int g = 0; g < G; g++)
+        for (int j = 0; j < 4; j++) acc[g][j] = _mm512_setzero_ps();
+    for (int d = 0; d < D; d += 16) {
+        const __m512 k0 = load16_bf16(k[0], d), k1 = load16_bf16(k[1], d), k2 = load16_bf16(k[2], d),
+                     k3 = load16_bf16(k[3], d);
+        for (int g = 0; g < G; g++) {
+            const __m512 qv = _mm512_loadu_ps(q[g] + d);
+            acc[g][0] = _mm512_fmadd_ps(qv, k0, acc[g][0]);
+            acc[g][1] = _mm512_fmadd_ps(qv, k1, acc[g][1]);
+            acc[g][2] = _mm512_fmadd_ps(qv, k2, acc[g][2]);
+            acc[g][3] = _mm512_fmadd_ps(qv, k3, acc[g][3]);
+        }
+    }
+    for (int g = 0; g < G; g++) { /* scores8_wide's sums, four keys at a time */
+        const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(halves(acc[g][0]), halves(acc[g][1])),
+                                        _mm256_hadd_ps(halves(acc[g][2]), halves(acc[g][3])));
+        const __m128 sum = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        _mm_storeu_ps(out[g], _mm_mul_ps(sum, _mm_set1_ps(scale)));
+    }
+}
+
+/* acc_row[g] = acc_row[g] * corr[g] + sum over t of p[g][t] * v_rows[t], g < G, D a multiple of 16:
+ * sixty-four elements of every head at a time. */
+static inline __attribute__((always_inline)) void accumulate_values_heads(const float *const *p,
+                                                                        const void *const *v_rows, int n,
+                                                                        const float *corr, float *const *acc_row,
+                                                                        const int D, const int G) {
+    for (int d0 = 0; d0 < D; d0 += 64) {
+        const int nv = D - d0 < 64 ? (D - d0) / 16 : 4;
+        __m512 acc[HEAD_CHUNK][4];
+        for (int g = 0; g < G; g++) {
+            const __m512 c = _mm512_set1_ps(corr[g]);
+            for (int i = 0; i < nv; i++) acc[g][i] = _mm512_mul_ps(_mm512_loadu_ps(acc_row[g] + d0 + 16 * i), c);
+        }
+        for (int t = 0; t < n; t++) {
+            __m512 v[4];
+            for (int i = 0; i < nv; i++) v[i] = load16_bf16(v_rows[t], d0 + 16 * i);
+            for (int g = 0; g < G; g++) {
+                const __m512 pt = _mm512_set1_ps(p[g][t]);
+                for (int i = 0; i < nv; i++) acc[g][i] = _mm512_fmadd_ps(pt, v[i], acc[g][i]);
+            }
+        }
+        for (int g = 0; g < G; g++)
+            for (int i = 0; i < nv; i++) _mm512_storeu_ps(acc_row[g] + d0 + 16 * i, acc[g][i]);
+    }
+}
 #else
 #define WIDE_BF16 0
 #define scores8_wide(q, k, D, scale, out) scores8(q, k, D, scale, out, 1)

@@ -43,13 +43,21 @@ typedef struct {
     float *acc, *row_max, *row_sum; /* a prompt item's running outputs, maxima and sums per row */
 } Scratch;
 
+/* Block by block, the rows of a block a constant stride apart, rather than a division and a
+ * remainder by the block size for every row (decode attention of 128 sequences of 128 tokens, 30
+ * layers, the two alternated in one process: 2% to 8% faster). */
 static void gather_rows(const Args *a, const int32_t *table, int h, int n, Scratch *s) {
     const size_t elem = a->is_bf16 ? sizeof(uint16_t) : sizeof(float);
-    for (int t = 0; t < n; t++) {
-        const size_t slot = (size_t)table[t / a->block_size] * a->block_size + t % a->block_size;
-        const size_t offset = (slot * a->num_kv_heads + h) * a->head_dim * elem;
-        s->k_rows[t] = (const char *)a->k_cache + offset;
-        s->v_rows[t] = (const char *)a->v_cache + offset;
+    const size_t stride = (size_t)a->num_kv_heads * a->head_dim * elem;
+    const char *k = (const char *)a->k_cache + (size_t)h * a->head_dim * elem;
+    const char *v = (const char *)a->v_cache + (size_t)h * a->head_dim * elem;
+    for (int t0 = 0, b = 0; t0 < n; t0 += a->block_size, b++) {
+        const size_t first = (size_t)table[b] * a->block_size * stride;
+        const int end = n - t0 < a->block_size ? n - t0 : a->block_size;
+        for (int i = 0; i < end; i++) {
+            s->k_rows[t0 + i] = k + first + (size_t)i * stride;
+            s->v_rows[t0 + i] = v + first + (size_t)i * stride;
+        }
     }
 }
 
@@ -82,6 +90,51 @@ static inline __attribute__((always_inline)) void attend_block(const Args *a, co
 }
 #endif
 
+#if WIDE_BF16
+/* attend_block for G query heads of one token (rows of q and acc D apart; G <= HEAD_CHUNK) over
+ * the same keys, each key and value row widened once for them all (attention_vec.h). Keys go four
+ * at a time, the last four padded with the block's last key, whose extra scores are dropped. Both
+ * the prompt and the decode path go through it, so a token's attention is the same bits either way. */
+static inline __attribute__((always_inline)) void heads_block(const Args *a, Scratch *s, int k0, int cnt,
+                                                            const float *q0, float *acc0, float *row_max,
+                                                            float *row_sum, const int D, const int G) {
+    float scores[HEAD_CHUNK][KEY_BLOCK + 4], corr[HEAD_CHUNK];
+    const float *q[HEAD_CHUNK], *p[HEAD_CHUNK];
+    float *acc[HEAD_CHUNK], *out[HEAD_CHUNK];
+    for (int g = 0; g < G; g++) q[g] = q0 + (size_t)g * D, acc[g] = acc0 + (size_t)g * D, p[g] = scores[g];
+    for (int t = 0; t < cnt; t += 4) {
+        const void *k[4];
+        for (int j = 0; j < 4; j++) k[j] = s->k_rows[k0 + (t + j < cnt ? t + j : cnt - 1)];
+        for (int g = 0; g < G; g++) out[g] = scores[g] + t;
+        scores4_heads(q, k, D, a->scale, out, G);
+    }
+    for (int g = 0; g < G; g++) {
+        const float block_max = max_of(scores[g], cnt);
+        const float m = block_max > row_max[g] ? block_max : row_max[g];
+        corr[g] = expf(row_max[g] - m); /* 0 for the first block */
+        row_sum[g] = row_sum[g] * corr[g] + exp_shifted(scores[g], cnt, m);
+        row_max[g] = m;
+    }
+    accumulate_values_heads(p, s->v_rows + k0, cnt, corr, acc, D, G);
+}
+
+/* heads_block for `n` heads, HEAD_CHUNK at a time, each chunk's G a constant. */
+static inline __attribute__((always_inline)) void heads_blocks(const Args *a, Scratch *s, int k0, int cnt,
+                                                             const float *q0, float *acc0, float *row_max,
+                                                             float *row_sum, const int D, int n) {
+    for (int g0 = 0; g0 < n; g0 += HEAD_CHUNK) {
+        const float *q = q0 + (size_t)g0 * D;
+        float *acc = acc0 + (size_t)g0 * D;
+        switch (n - g0 < HEAD_CHUNK ? n - g0 : HEAD_CHUNK) {
+        case 1: heads_block(a, s, k0, cnt, q, acc, row_max + g0, row_sum + g0, D, 1); break;
+        case 2: heads_block(a, s, k0, cnt, q, acc, row_max + g0, row_sum + g0, D, 2); break;
+        case 3: heads_block(a, s, k0, cnt, q, acc, row_max + g0, row_sum + g0, D, 3); break;
+        default: heads_block(a, s, k0, cnt, q, acc, row_max + g0, row_sum + g0, D, 4); break;
+        }
+    }
+}
+#endif
+
 /* One work item. Its rows are (query token, query head of this kv head's group) pairs; the
  * token at row r sits at position first_pos + r / group and sees keys [0, that]. Inlined with
  * D a constant for common head sizes, so that a row's accumulator stays in registers.
@@ -110,6 +163,18 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
         memset(acc + (size_t)r * D, 0, sizeof(float) * D);
     }
     for (int k0 = 0; k0 < first_pos + w.count; k0 += KEY_BLOCK) {
+#if WIDE_BF16
+        if (wide) { /* a token's heads together (heads_block) */
+            for (int tok = 0; tok < w.count; tok++) {
+                const int n = first_pos + tok + 1 - k0;
+                if (n <= 0) continue;
+                const int r = tok * group;
+                heads_blocks(a, s, k0, n < KEY_BLOCK ? n : KEY_BLOCK, a->q + ROW(r) * D, acc + (size_t)r * D,
+                             row_max + r, row_sum + r, D, group);
+            }
+            continue;
+        }
+#endif
         for (int r = 0; r < rows; r++) {
             const int n = first_pos + r / group + 1 - k0; /* keys of this block that row r sees */
             if (n <= 0) continue;
@@ -158,6 +223,25 @@ static inline __attribute__((always_inline)) void decode_dim(const Args *a, int 
     float *acc = s->acc;
     for (int h = 0; h < a->num_kv_heads; h++) {
         gather_rows(a, table, h, n, s);
+#if WIDE_BF16
+        if (wide) { /* as a prompt token's rows go (attend_dim), so the same bits */
+            const size_t row0 = (size_t)a->query_start[seq] * a->num_heads + (size_t)h * group;
+            for (int g = 0; g < group; g++) {
+                s->row_max[g] = -INFINITY;
+                s->row_sum[g] = 0.f;
+            }
+            memset(acc, 0, sizeof(float) * D * group);
+            for (int k0 = 0; k0 < n; k0 += KEY_BLOCK)
+                heads_blocks(a, s, k0, n - k0 < KEY_BLOCK ? n - k0 : KEY_BLOCK, a->q + row0 * D, acc, s->row_max,
+                             s->row_sum, D, group);
+            for (int g = 0; g < group; g++) {
+                const v8 inv = (v8){0} + 1.f / s->row_sum[g];
+                float *out = a->out + (row0 + g) * D;
+                for (int i = 0; i < D / 8; i++) *(v8 *)(out + 8 * i) = *(const v8 *)(acc + (size_t)g * D + 8 * i) * inv;
+            }
+            continue;
+        }
+#endif
         for (int g = 0; g < group; g++) {
             const size_t row = (size_t)a->query_start[seq] * a->num_heads + (size_t)h * group + g;
             float row_max = -INFINITY, row_sum = 0.f;
