@@ -510,7 +510,9 @@ def main(argv: list[str] | None = None) -> int:
 
     port, key = free_port(), "attack-key"
     log = pathlib.Path("/tmp/tritone-attack-server.log")
-    with temporary_server(log, "--openai-port", str(port), "--api-key", key) as server:
+    # The ensemble's pipeline, whose internal models (the cases' targets) are public; inline, there
+    # are none, and its one model takes the ensemble's inputs.
+    with temporary_server(log, "--openai-port", str(port), "--api-key", key, "--pipeline", "ensemble") as server:
         a = server.args
         target = Target(f"{a.host}:{a.http_port}", f"{a.host}:{a.grpc_port}", f"{a.host}:{a.metrics_port}",
                         server.openai_url.removesuffix("/v1"), key, server.model_dir.name)

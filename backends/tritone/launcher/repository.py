@@ -17,8 +17,8 @@ from tritone.config import model_parameters_text
 # installed Tritone finds its templates as a checkout does.
 _SOURCE = pathlib.Path(__file__).resolve().parents[1] / "model_repository"
 _TEMPLATE = re.compile(r"\$\{(\w+)\}")
-# The models a server loads: the ensemble stack, or the single-process ablation that benchmarks
-# compare it with (never both by default: each loads the model).
+# The models a server loads (--pipeline): the ensemble stack, or the engine's process doing the
+# text work too (never both: each loads the model).
 ENSEMBLE_MODELS = ("preprocessing", "llm", "postprocessing", "ensemble")
 INLINE_MODELS = ("llm_inline",)
 # Models served under another name: llm_inline answers as "ensemble" (its inputs and outputs are

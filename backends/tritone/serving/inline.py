@@ -1,8 +1,9 @@
 """Tokenization and detokenization inside the engine's process: the `llm_inline` model.
 
-The single-process ablation of the ensemble: the same inputs and outputs as `ensemble`, the same
-preprocessing, engine and postprocessing code, but all of it run by the one `llm` process, as an
-engine that does its own text work would. Only benchmarks load it.
+The ensemble in one process: the same inputs and outputs as `ensemble`, the same preprocessing,
+engine and postprocessing code, but all of it run by the one engine process, as an engine that
+does its own text work would. Served under the name `ensemble` where the engine runs on the CPU
+(--pipeline), whose cores the text processes would take from the engine's threads.
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""Triton adapter of the single-process ablation: the `llm` model's frontend with the text work
-of preprocessing and postprocessing (tritone.serving.inline) done in this process."""
+"""Triton adapter of the one-process pipeline (served as "ensemble" where the engine runs on the
+CPU): the `llm` model's frontend with the text work of preprocessing and postprocessing
+(tritone.serving.inline) done in this process."""
 
 import json
 import logging
