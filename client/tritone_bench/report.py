@@ -350,6 +350,7 @@ def measured_head(results: Any) -> str:
     if config.get("prompt_len"):
         head += (f"; {config.get('prompt_len')}-token prompts, {config.get('output_len')} output tokens, "
                  f"Tritone {results.get('tritone_dtype')}"
+                 + (f" (pipeline {results['tritone_pipeline']})" if results.get("tritone_pipeline") else "")
                  + (f", vLLM {results['peer_dtype']} on {results['peer_threads']} engine thread(s)"
                     if results.get("peer_dtype") else ""))
     return head
