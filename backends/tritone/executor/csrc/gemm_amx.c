@@ -38,9 +38,10 @@ static inline void configure_tiles(int r0, int r1) {
     _tile_loadconfig(&cfg);
 }
 
-/* Rows [0, mr) (mr <= 32) of A times one panel into c, prefetching `next` over the K loop. */
+/* Rows [0, mr) (mr <= 32) of A times one panel into c, prefetching share `share` of `shares` of
+ * `next` over the K loop: each k step's lines [32 share / shares, 32 (share + 1) / shares). */
 static void block_amx(const uint16_t *a, int K, const uint16_t *panel, float *c, int ldc, int ncols,
-                      const float *bias, int mr, const uint16_t *next) {
+                      const float *bias, int mr, const uint16_t *next, int share, int shares) {
     const int r0 = mr < 16 ? mr : 16, r1 = mr - r0;
     _tile_zero(0);
     _tile_zero(1);
@@ -52,7 +53,7 @@ static void block_amx(const uint16_t *a, int K, const uint16_t *panel, float *c,
     for (int k = 0; k < K; k += 32) {
         const uint16_t *b = panel + (size_t)k * NR_BF16; /* pair row k / 2 */
         if (next)
-            for (int line = 0; line < 32; line++)
+            for (int line = 32 * share / shares; line < 32 * (share + 1) / shares; line++)
                 __builtin_prefetch((const char *)(next + (size_t)k * NR_BF16) + line * 64, 0, 3);
         _tile_loadd(6, b, p_stride);
         _tile_loadd(7, b + NR_BF16, p_stride);
@@ -95,14 +96,17 @@ static void begin_amx(void) { configured = -1; }
 static void panel_rows_amx(const void *a_, int M, int K, int N, const void *panel_, float *c, int ncols,
                            const float *bias, const void *next_) {
     const uint16_t *a = a_, *panel = panel_, *next = next_;
+    /* Every block of rows fetches its share of the next panel: all of it from the first block's
+     * pass alone, 32 prefetches a k step, stalled on the core's line fill buffers (a step's
+     * linears at 128 rows, alternated in one process: 22.1 -> 20.7 ms, the LM head 6.8 -> 6.4). */
+    const int blocks = (M + MR_AMX - 1) / MR_AMX;
     for (int m = 0; m < M; m += MR_AMX) {
         const int mr = M - m < MR_AMX ? M - m : MR_AMX;
         if (mr != configured) {
             configure_tiles(mr < 16 ? mr : 16, mr < 16 ? 0 : mr - 16);
             configured = mr;
         }
-        block_amx(a + (size_t)m * K, K, panel, c + (size_t)m * N, N, ncols, bias, M - m < MR_AMX ? M - m : MR_AMX,
-                  m ? 0 : next); /* the first block's pass fetches the next panel for all */
+        block_amx(a + (size_t)m * K, K, panel, c + (size_t)m * N, N, ncols, bias, mr, next, m / MR_AMX, blocks);
     }
 }
 
