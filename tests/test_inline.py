@@ -2,6 +2,7 @@
 the engine runs on the CPU): rendered as the model "ensemble" when asked, and it answers as the
 three-process ensemble does (that from the session server, llm_inline from a server of its own)."""
 
+import json
 import pathlib
 
 import numpy as np
@@ -78,3 +79,19 @@ def test_llm_inline_answers_as_the_ensemble(server, inline_server):
 def _bad_messages(client):
     return infer_inputs(client._triton, (("messages", np.array([[b"{not json"]], dtype=object)),
                                          ("max_tokens", np.array([[4]], dtype=np.int32))))
+
+
+@pytest.mark.integration
+def test_http_generate_and_generate_stream_answer_inline_as_through_the_ensemble(server, inline_server):
+    from test_integration import QUESTION, post, sse_events
+
+    request = {"text_input": QUESTION, "max_tokens": 24}
+    _, expected = post(server, "generate", request)
+    status, whole = post(inline_server, "generate", request)
+    assert status == 200 and json.loads(whole)["text_output"] == json.loads(expected)["text_output"]
+    assert json.loads(whole)["model_name"] == "ensemble"
+    status, body = post(inline_server, "generate_stream", {**request, "stream": True})
+    events = sse_events(body)
+    assert status == 200 and len(events) > 3
+    assert "".join(e["text_output"] for e in events) == json.loads(expected)["text_output"]
+    assert events[-1]["finish_reason"] == json.loads(expected)["finish_reason"]
