@@ -62,31 +62,29 @@ static void gather_rows(const Args *a, const int32_t *table, int h, int n, Scrat
 }
 
 #ifdef HAVE_DECODE_KERNEL
+/* The online softmax's step over one block's scores `sr` (exponentiated in place): the row's new
+ * maximum and sum, and the factor its running output is scaled by (0 for the first block). */
+static inline float softmax_block(float *sr, int cnt, float *row_max, float *row_sum) {
+    const float block_max = max_of(sr, cnt);
+    const float m = block_max > *row_max ? block_max : *row_max;
+    const float corr = expf(*row_max - m);
+    *row_sum = *row_sum * corr + exp_shifted(sr, cnt, m);
+    *row_max = m;
+    return corr;
+}
+
 /* One query row over keys [k0, k0 + cnt): scores, the running maximum and sum, and the running
  * output `acc_row` (online softmax). Prompt rows and decodes both go through it, block by block
  * from key 0, so a token's attention is the same bits either way. */
 static inline __attribute__((always_inline)) void attend_block(const Args *a, const float *qr, Scratch *s, int k0,
                                                                int cnt, float *row_max, float *row_sum,
-                                                               float *acc_row, const int D, const int bf16,
-                                                               const int wide) {
+                                                               float *acc_row, const int D, const int bf16) {
     float *sr = s->scores;
     int t = 0;
-    for (; t + 8 <= cnt; t += 8) {
-        if (wide)
-            scores8_wide(qr, s->k_rows + k0 + t, D, a->scale, sr + t);
-        else
-            scores8(qr, s->k_rows + k0 + t, D, a->scale, sr + t, bf16);
-    }
+    for (; t + 8 <= cnt; t += 8) scores8(qr, s->k_rows + k0 + t, D, a->scale, sr + t, bf16);
     for (; t < cnt; t++) sr[t] = dot(qr, s->k_rows[k0 + t], D, bf16) * a->scale;
-    const float block_max = max_of(sr, cnt);
-    const float m = block_max > *row_max ? block_max : *row_max;
-    const float corr = expf(*row_max - m); /* 0 for the first block */
-    *row_sum = *row_sum * corr + exp_shifted(sr, cnt, m);
-    *row_max = m;
-    if (wide)
-        accumulate_values_wide(sr, s->v_rows + k0, cnt, corr, acc_row, D);
-    else
-        accumulate_values(sr, s->v_rows + k0, cnt, corr, acc_row, D, bf16);
+    const float corr = softmax_block(sr, cnt, row_max, row_sum);
+    accumulate_values(sr, s->v_rows + k0, cnt, corr, acc_row, D, bf16);
 }
 #endif
 
@@ -108,13 +106,7 @@ static inline __attribute__((always_inline)) void heads_block(const Args *a, Scr
         for (int g = 0; g < G; g++) out[g] = scores[g] + t;
         scores4_heads(q, k, D, a->scale, out, G);
     }
-    for (int g = 0; g < G; g++) {
-        const float block_max = max_of(scores[g], cnt);
-        const float m = block_max > row_max[g] ? block_max : row_max[g];
-        corr[g] = expf(row_max[g] - m); /* 0 for the first block */
-        row_sum[g] = row_sum[g] * corr[g] + exp_shifted(scores[g], cnt, m);
-        row_max[g] = m;
-    }
+    for (int g = 0; g < G; g++) corr[g] = softmax_block(scores[g], cnt, &row_max[g], &row_sum[g]);
     accumulate_values_heads(p, s->v_rows + k0, cnt, corr, acc, D, G);
 }
 
@@ -179,8 +171,7 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
             const int n = first_pos + r / group + 1 - k0; /* keys of this block that row r sees */
             if (n <= 0) continue;
             const int cnt = n < KEY_BLOCK ? n : KEY_BLOCK;
-            attend_block(a, a->q + ROW(r) * D, s, k0, cnt, &row_max[r], &row_sum[r], acc + (size_t)r * D, D, bf16,
-                         wide);
+            attend_block(a, a->q + ROW(r) * D, s, k0, cnt, &row_max[r], &row_sum[r], acc + (size_t)r * D, D, bf16);
         }
     }
     for (int r = 0; r < rows; r++) {
@@ -248,7 +239,7 @@ static inline __attribute__((always_inline)) void decode_dim(const Args *a, int 
             memset(acc, 0, sizeof(float) * D);
             for (int k0 = 0; k0 < n; k0 += KEY_BLOCK)
                 attend_block(a, a->q + row * D, s, k0, n - k0 < KEY_BLOCK ? n - k0 : KEY_BLOCK, &row_max, &row_sum, acc,
-                             D, bf16, wide);
+                             D, bf16);
             const v8 inv = (v8){0} + 1.f / row_sum;
             float *out = a->out + row * D;
             for (int i = 0; i < D / 8; i++) *(v8 *)(out + 8 * i) = *(const v8 *)(acc + 8 * i) * inv;
