@@ -201,6 +201,25 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
 }
 
 #ifdef HAVE_DECODE_KERNEL
+#if WIDE_BF16
+/* Requests the key and value rows [t0, t0 + KEY_BLOCK) (of n), `shift` bytes past where s's
+ * pointers say, while the current block computes: a sequence's blocks lie wherever the block
+ * manager put them, so nothing else fetches the next block before its first row misses. The
+ * native forward with scattered block tables, alternated in one process with and without: 1, 32
+ * and 128 decodes of 128 tokens 9.21 -> 8.77, 25.39 -> 23.30, 79.23 -> 71.94 ms. Into L2 only
+ * (prefetcht1) measured the same within noise. */
+static inline void prefetch_rows(const Scratch *s, int t0, int n, size_t shift, const int D) {
+    const int t1 = t0 + KEY_BLOCK < n ? t0 + KEY_BLOCK : n;
+    for (int t = t0; t < t1; t++) {
+        const char *k = (const char *)s->k_rows[t] + shift, *v = (const char *)s->v_rows[t] + shift;
+        for (int b = 0; b < D * (int)sizeof(uint16_t); b += 64) {
+            __builtin_prefetch(k + b, 0, 3);
+            __builtin_prefetch(v + b, 0, 3);
+        }
+    }
+}
+#endif
+
 /* Each query head in turn over the keys in blocks of KEY_BLOCK with a running maximum and sum,
  * exactly as a prompt item's rows go (attend_dim): a token's attention output is then the same
  * bits whether it is a decode or a row of a prompt chunk (a prefix-cache hit's tail, a request
@@ -222,9 +241,14 @@ static inline __attribute__((always_inline)) void decode_dim(const Args *a, int 
                 s->row_sum[g] = 0.f;
             }
             memset(acc, 0, sizeof(float) * D * group);
-            for (int k0 = 0; k0 < n; k0 += KEY_BLOCK)
+            for (int k0 = 0; k0 < n; k0 += KEY_BLOCK) {
+                if (k0 + KEY_BLOCK < n)
+                    prefetch_rows(s, k0 + KEY_BLOCK, n, 0, D);
+                else if (h + 1 < a->num_kv_heads) /* the next head's rows sit D elements further */
+                    prefetch_rows(s, 0, n, (size_t)D * sizeof(uint16_t), D);
                 heads_blocks(a, s, k0, n - k0 < KEY_BLOCK ? n - k0 : KEY_BLOCK, a->q + row0 * D, acc, s->row_max,
                              s->row_sum, D, group);
+            }
             for (int g = 0; g < group; g++) {
                 const v8 inv = (v8){0} + 1.f / s->row_sum[g];
                 float *out = a->out + (row0 + g) * D;
