@@ -41,6 +41,7 @@ typedef struct {
     const void **k_rows, **v_rows;
     float *scores;
     float *acc, *row_max, *row_sum; /* a prompt item's running outputs, maxima and sums per row */
+    int next_seq; /* the decode this thread takes next (-1: none or not a decode) */
 } Scratch;
 
 /* Block by block, the rows of a block a constant stride apart, rather than a division and a
@@ -218,6 +219,24 @@ static inline void prefetch_rows(const Scratch *s, int t0, int n, size_t shift, 
         }
     }
 }
+
+/* prefetch_rows for the first block of keys of the decode `seq`, its first head, through its block
+ * table: what the thread reads first after this sequence (attention_part claims its next item
+ * before computing this one). The native forward at 128 decodes of 128 tokens, alternated in one
+ * process with and without, three runs: 90.7 -> 80.7, 97.0 -> 93.0, 82.1 -> 79.7 ms (32
+ * decodes: 34.2 -> 33.0, 21.5 -> 21.3). */
+static inline void prefetch_seq_start(const Args *a, int seq, const int D) {
+    const int n = a->seq_lens[seq] < KEY_BLOCK ? a->seq_lens[seq] : KEY_BLOCK;
+    const int32_t *table = a->block_tables + (size_t)seq * a->max_blocks;
+    const size_t stride = (size_t)a->num_kv_heads * D * sizeof(uint16_t);
+    for (int t = 0; t < n; t++) {
+        const size_t off = ((size_t)table[t / a->block_size] * a->block_size + t % a->block_size) * stride;
+        for (int b = 0; b < D * (int)sizeof(uint16_t); b += 64) {
+            __builtin_prefetch((const char *)a->k_cache + off + b, 0, 3);
+            __builtin_prefetch((const char *)a->v_cache + off + b, 0, 3);
+        }
+    }
+}
 #endif
 
 /* Each query head in turn over the keys in blocks of KEY_BLOCK with a running maximum and sum,
@@ -246,6 +265,8 @@ static inline __attribute__((always_inline)) void decode_dim(const Args *a, int 
                     prefetch_rows(s, k0 + KEY_BLOCK, n, 0, D);
                 else if (h + 1 < a->num_kv_heads) /* the next head's rows sit D elements further */
                     prefetch_rows(s, 0, n, (size_t)D * sizeof(uint16_t), D);
+                else if (s->next_seq >= 0)
+                    prefetch_seq_start(a, s->next_seq, D);
                 heads_blocks(a, s, k0, n - k0 < KEY_BLOCK ? n - k0 : KEY_BLOCK, a->q + row0 * D, acc, s->row_max,
                              s->row_sum, D, group);
             }
@@ -315,7 +336,9 @@ static void attention_part(void *job_, int thread, int num_threads) {
         s.acc = s.scores + max_ctx;
         s.row_max = s.acc + job->item_rows * head_dim;
         s.row_sum = s.row_max + job->item_rows;
-        for (int i; (i = pool_next(&job->counter)) < job->num_items;) {
+        for (int i = pool_next(&job->counter), next; i < job->num_items; i = next) {
+            next = pool_next(&job->counter);
+            s.next_seq = next < job->num_items && job->items[next].kv_head < 0 ? job->items[next].seq : -1;
             const WorkItem w = job->items[i];
 #ifdef HAVE_DECODE_KERNEL
             if (w.kv_head < 0) {
