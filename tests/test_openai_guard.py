@@ -684,10 +684,12 @@ def test_random_bodies_get_a_4xx_or_reach_the_backend_never_a_5xx(path, aspect):
             assert response.error["type"] in ("invalid_request_error", "not_found_error")
             assert backend.calls == []
             return
-        # One generation per sequence (n, or best_of) of each prompt of a completion.
+        # One generation per sequence (n, or best_of) of each prompt of a completion; a list of
+        # token ids is one prompt, a list of texts or of token-id lists one prompt each.
         prompts = body.get("prompt")
+        num_prompts = len(prompts) if isinstance(prompts, list) and not isinstance(prompts[0], int) else 1
         num_seqs = body.get("best_of") or body.get("n", 1)
-        assert len(backend.calls) == (len(prompts) if isinstance(prompts, list) else 1) * num_seqs
+        assert len(backend.calls) == num_prompts * num_seqs
         tensors = backend.calls[0]
         for array in tensors.values():
             if array.dtype == object:
