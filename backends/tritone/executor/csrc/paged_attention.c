@@ -209,15 +209,17 @@ static inline __attribute__((always_inline)) void attend_dim(const Args *a, Work
  * native forward with scattered block tables, alternated in one process with and without: 1, 32
  * and 128 decodes of 128 tokens 9.21 -> 8.77, 25.39 -> 23.30, 79.23 -> 71.94 ms. Into L2 only
  * (prefetcht1) measured the same within noise. */
+static inline void prefetch_row(const char *k, const char *v, const int D) {
+    for (int b = 0; b < D * (int)sizeof(uint16_t); b += 64) {
+        __builtin_prefetch(k + b, 0, 3);
+        __builtin_prefetch(v + b, 0, 3);
+    }
+}
+
 static inline void prefetch_rows(const Scratch *s, int t0, int n, size_t shift, const int D) {
     const int t1 = t0 + KEY_BLOCK < n ? t0 + KEY_BLOCK : n;
-    for (int t = t0; t < t1; t++) {
-        const char *k = (const char *)s->k_rows[t] + shift, *v = (const char *)s->v_rows[t] + shift;
-        for (int b = 0; b < D * (int)sizeof(uint16_t); b += 64) {
-            __builtin_prefetch(k + b, 0, 3);
-            __builtin_prefetch(v + b, 0, 3);
-        }
-    }
+    for (int t = t0; t < t1; t++)
+        prefetch_row((const char *)s->k_rows[t] + shift, (const char *)s->v_rows[t] + shift, D);
 }
 
 /* prefetch_rows for the first block of keys of the decode `seq`, its first head, through its block
@@ -231,10 +233,7 @@ static inline void prefetch_seq_start(const Args *a, int seq, const int D) {
     const size_t stride = (size_t)a->num_kv_heads * D * sizeof(uint16_t);
     for (int t = 0; t < n; t++) {
         const size_t off = ((size_t)table[t / a->block_size] * a->block_size + t % a->block_size) * stride;
-        for (int b = 0; b < D * (int)sizeof(uint16_t); b += 64) {
-            __builtin_prefetch((const char *)a->k_cache + off + b, 0, 3);
-            __builtin_prefetch((const char *)a->v_cache + off + b, 0, 3);
-        }
+        prefetch_row((const char *)a->k_cache + off, (const char *)a->v_cache + off, D);
     }
 }
 #endif
