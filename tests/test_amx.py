@@ -1,11 +1,16 @@
 """Tritone's bf16 GEMM on AMX tiles (csrc/gemm.c, panel_rows_amx): the product of the rounded
-operands, each row's bits whatever rows share the call, and the argmax of what it would write.
-Skipped only where the CPU has no AMX (or the kernel denies the process its tiles)."""
+operands, each row's bits whatever rows share the call, and the argmax of what it would write; and
+the AMX attention's place among the CPU kernels (its arithmetic: test_attention.py). Skipped only
+where the CPU has no AMX (or the kernel denies the process its tiles)."""
+
+import logging
+import re
 
 import pytest
 import torch
 
-from tritone.executor import gemm, kernels
+from test_engine import make_engine
+from tritone.executor import attention, gemm, kernels
 
 needs_amx = pytest.mark.skipif(not kernels.amx_gemm_supported(),
                                reason="this CPU has no AMX-BF16 (or Linux denied this process the AMX tiles)")
@@ -54,3 +59,32 @@ def test_without_amx_the_choice_falls_back_and_asking_for_it_is_refused(monkeypa
         gemm.choose({(64, 96)}, torch.bfloat16, None, only="amx")
     # torch.mm on blocks of 32 rows, padded or not, whichever passes the row-invariance check here
     assert gemm.choose({(64, 96)}, torch.float32, None, only="mm")[(64, 96)].startswith("mm/32")
+
+
+needs_amx_attention = pytest.mark.skipif(not kernels.amx_attention_supported(9, 3, 64, 16),
+                                         reason="this CPU has no AMX (or Linux denied this process the AMX tiles)")
+
+
+@needs_amx_attention
+def test_amx_attention_is_measured_against_the_vector_kernel(caplog):
+    # `auto` times both after each passed its probe; which wins is this machine's fact, not the test's.
+    with caplog.at_level(logging.INFO, logger="tritone.executor.attention"):
+        chosen = attention.select_backend(torch.device("cpu"), torch.bfloat16, 9, 3, 64, 16)
+    assert chosen.name in ("cpu-native", "cpu-amx")
+    assert re.search(r"attention cpu-(native|amx): the fastest here \(.*cpu-amx [\d.]+, cpu-native [\d.]+\)",
+                     caplog.text), caplog.text
+    assert attention.select_backend(torch.device("cpu"), torch.bfloat16, 9, 3, 64, 16, "cpu-amx").name == "cpu-amx"
+
+
+@needs_amx_attention
+def test_the_native_forward_serves_with_amx_attention_and_passes_its_check(model_dir):
+    # --forward native refuses to start where the forward fails its start-up check (verify.py).
+    engine = make_engine(model_dir, dtype="bfloat16", attention="cpu-amx", forward="native")
+    assert engine.runner.attention.name == "cpu-amx" and engine.runner.native.model.attention_amx == 1
+
+
+def test_without_amx_attention_auto_keeps_the_vector_kernel_and_asking_for_it_is_refused(monkeypatch):
+    monkeypatch.setattr(kernels, "amx_attention_supported", lambda *shape: False)
+    assert attention.select_backend(torch.device("cpu"), torch.bfloat16, 9, 3, 64, 16).name == "cpu-native"
+    with pytest.raises(ValueError, match="--attention cpu-amx: needs a CPU with AMX"):
+        attention.select_backend(torch.device("cpu"), torch.bfloat16, 9, 3, 64, 16, "cpu-amx")

@@ -48,6 +48,35 @@ def test_kernel_matches_sdpa(dtype, heads, kv_heads, dim):
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
 
 
+AMX = pytest.mark.skipif(not kernels.amx_attention_supported(9, 3, 64, 16),
+                         reason="this CPU has no AMX (or the kernel may not use its tiles): the AMX path is not built")
+
+
+@AMX
+@pytest.mark.parametrize("heads,kv_heads,dim", [(9, 3, 64), (4, 4, 128), (8, 1, 96), (32, 2, 64)])
+def test_amx_kernel_matches_sdpa_of_the_bf16_queries(heads, kv_heads, dim):
+    # The tiles take the queries in bf16: against SDPA of those rounded queries only the float32
+    # sums' order differs. Groups of 3, 1, 8 and 16 heads; 96 and 128 take three and four tiles a
+    # key row.
+    gen = torch.Generator().manual_seed(heads * 10 + kv_heads)
+    q, k_cache, v_cache, meta = packed_batch(gen, heads, kv_heads, dim, torch.bfloat16, block_size=16)
+    got = torch.zeros_like(q)
+    kernels.paged_attention(q, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens, 16,
+                            dim ** -0.5, got, amx=True)
+    want = TorchSDPAAttention().forward(q.bfloat16().float(), k_cache.float(), v_cache.float(), meta, dim ** -0.5)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+
+
+def test_amx_kernel_refuses_what_it_cannot_run():
+    q = torch.zeros(1, 4, 64)
+    one = torch.ones(1, dtype=torch.int32)
+    for cache, block_size in ((torch.zeros(4, 2, 64, dtype=torch.bfloat16), 4), (torch.zeros(16, 2, 64), 16)):
+        with pytest.raises(ValueError, match="AMX"):
+            kernels.paged_attention(q, cache, cache, torch.zeros(1, 1, dtype=torch.int32),
+                                    torch.tensor([0, 1], dtype=torch.int32), one, block_size, 1.0,
+                                    torch.empty_like(q), amx=True)
+
+
 def test_unsupported_head_size_is_refused():
     q = torch.zeros(1, 1, 12)
     cache = torch.zeros(4, 1, 12)
@@ -57,10 +86,11 @@ def test_unsupported_head_size_is_refused():
                                 torch.tensor([0, 1], dtype=torch.int32), one, 4, 1.0, torch.empty_like(q))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("dim", [64, 48, 128])
+@pytest.mark.parametrize("dtype,amx,dim", [(dtype, False, dim) for dtype in (torch.float32, torch.bfloat16)
+                                           for dim in (64, 48, 128)]
+                         + [pytest.param(torch.bfloat16, True, dim, marks=AMX) for dim in (64, 128)])
 @pytest.mark.parametrize("heads", [6, 10])
-def test_a_tokens_attention_is_the_same_bits_as_a_decode_or_in_any_chunk(dtype, dim, heads):
+def test_a_tokens_attention_is_the_same_bits_as_a_decode_or_in_any_chunk(dtype, amx, dim, heads):
     # Seeded sampling depends on it: a prefix-cache hit, a chunked prompt or a batch changes which
     # path (decode or prompt tile) computes a token, never its result. Groups of 3 and of 5 query
     # heads: the bf16 kernel takes a group's heads up to four at a time.
@@ -77,7 +107,7 @@ def test_a_tokens_attention_is_the_same_bits_as_a_decode_or_in_any_chunk(dtype, 
         out = torch.zeros(last - first, heads, dim)
         kernels.paged_attention(q[first:last].contiguous(), k_cache, v_cache, table,
                                 torch.tensor([0, last - first], dtype=torch.int32),
-                                torch.tensor([last], dtype=torch.int32), block_size, dim ** -0.5, out)
+                                torch.tensor([last], dtype=torch.int32), block_size, dim ** -0.5, out, amx=amx)
         return out
 
     whole = attend(0, ctx)

@@ -137,9 +137,10 @@ OPTIONS: tuple[Option, ...] = (
     Option("gemm", str, "auto", "GEMM kernel of the linears on CPU: auto (for each weight shape, the fastest here of "
            "those that pass the start-up check), or one of them: tritone (AVX2/AVX512-BF16), amx (AMX tiles), "
            "onednn, mm (torch's, on blocks of 32 rows)", choices=("auto", "tritone", "amx", "onednn", "mm")),
-    Option("attention", str, "auto", "paged attention kernel (auto: the native kernel on CPU; on CUDA the first of "
+    Option("attention", str, "auto", "paged attention kernel (auto: on CPU the faster here of the native kernel and, "
+           "where the CPU has AMX, its AMX form cpu-amx, each checked against SDPA at start; on CUDA the first of "
            "flash-varlen and triton that agrees with SDPA on a probe batch at start)",
-           choices=("auto", "cpu-native", "flash-varlen", "triton", "sdpa")),
+           choices=("auto", "cpu-native", "cpu-amx", "flash-varlen", "triton", "sdpa")),
     Option("cuda_graphs", str, "auto", "replay decode steps from CUDA graphs captured at start (auto: on CUDA where "
            "the model and attention allow; off: every step eager)", choices=("auto", "off")),
     Option("async_scheduling", str, "auto", "schedule and prepare step N+1 while the device computes step N (auto: "

@@ -11,13 +11,15 @@ as vLLM does, so that neither the cache nor the block tables become graph inputs
 from __future__ import annotations
 
 import contextlib
+import json
 import logging
+import time
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
-from tritone.executor import kernels
+from tritone.executor import hardware, kernels
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,20 @@ class NativeCPUAttention:
         out = torch.zeros_like(qf)
         kernels.paged_attention(qf, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
                                 meta.block_size, scale, out)
+        return out.to(q.dtype)
+
+
+class NativeAMXAttention(NativeCPUAttention):
+    """The C kernel with each token's scores on AMX tiles (its queries rounded to bf16): where the
+    CPU has AMX, the cache is bf16 and the shape allows (kernels.amx_attention_supported)."""
+
+    name = "cpu-amx"
+
+    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
+        qf = q.float().contiguous()
+        out = torch.zeros_like(qf)
+        kernels.paged_attention(qf, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
+                                meta.block_size, scale, out, amx=True)
         return out.to(q.dtype)
 
 
@@ -174,8 +190,8 @@ def _has_module(name: str) -> bool:
         return False
 
 
-BACKENDS = {"cpu-native": NativeCPUAttention, "flash-varlen": FlashVarlenAttention, "triton": TritonPagedAttention,
-            "sdpa": TorchSDPAAttention}
+BACKENDS = {"cpu-native": NativeCPUAttention, "cpu-amx": NativeAMXAttention, "flash-varlen": FlashVarlenAttention,
+            "triton": TritonPagedAttention, "sdpa": TorchSDPAAttention}
 
 
 def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,
@@ -184,8 +200,11 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     on CUDA the first paged kernel. Either serves only after it ran and agreed with SDPA on a probe
     batch of this model's shape (logged, with why each one before it was passed over; one named
     by flag that does not refuses to start); SDPA where none does."""
-    if name == "cpu-native":
-        kernels.require("--attention cpu-native")
+    if name in ("cpu-native", "cpu-amx"):
+        kernels.require(f"--attention {name}")
+    if name == "cpu-amx" and not (dtype == torch.bfloat16 and kernels.amx_attention_supported(
+            num_heads, num_kv_heads, head_dim, block_size)):
+        raise ValueError(f"--attention cpu-amx: needs {kernels.AMX_ATTENTION_NEEDS} (--dtype bfloat16)")
     if name == "flash-varlen" and _flash_block_problem(block_size):
         raise ValueError(f"--attention flash-varlen: {_flash_block_problem(block_size)}")
     if name not in ("auto", "sdpa"):  # SDPA is the reference the others are checked against
@@ -199,11 +218,21 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
     if device.type == "cpu":
         if (dtype in (torch.float32, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= 256
                 and kernels.native_library() is not None):
-            problem = probe(NativeCPUAttention(), device, dtype, num_heads, num_kv_heads, head_dim, block_size)
-            if problem is None:
-                logger.info("attention cpu-native: passed its probe against SDPA")
-                return NativeCPUAttention()
-            logger.warning("attention cpu-native dropped: %s", problem)
+            candidates = [NativeCPUAttention()]
+            if dtype == torch.bfloat16 and kernels.amx_attention_supported(num_heads, num_kv_heads, head_dim, block_size):
+                candidates.append(NativeAMXAttention())
+            passed = []
+            for backend in candidates:
+                problem = probe(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
+                if problem is None:
+                    passed.append(backend)
+                else:
+                    logger.warning("attention %s dropped: %s", backend.name, problem)
+            if len(passed) > 1:
+                return fastest_cpu(passed, num_heads, num_kv_heads, head_dim, block_size)
+            if passed:
+                logger.info("attention %s: passed its probe against SDPA", passed[0].name)
+                return passed[0]
         return TorchSDPAAttention()
     for backend in _cuda_candidates(block_size):
         problem = probe(backend, device, dtype, num_heads, num_kv_heads, head_dim, block_size)
@@ -211,6 +240,62 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
             return backend
         logger.info("attention %s passed over: %s", backend.name, problem)
     return TorchSDPAAttention()
+
+
+# The measured decode batch: sequences of this many tokens, and layers' worth of caches whose keys
+# and values together overflow any CPU's last-level cache here, as a step reads them.
+_TIMED_SEQS, _TIMED_CONTEXT, _TIMED_BYTES = 64, 256, 96 << 20
+
+
+def _time_decodes(backend, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> float:
+    """Seconds per layer of a decode step of _TIMED_SEQS sequences of _TIMED_CONTEXT tokens, blocks
+    scattered over the cache as the block manager leaves them, the best of three passes over
+    cold copies of the cache."""
+    gen = torch.Generator().manual_seed(0)
+    blocks = _TIMED_SEQS * -(-_TIMED_CONTEXT // block_size)
+    layer_bytes = 2 * blocks * block_size * num_kv_heads * head_dim * 2
+    layers = max(1, min(32, -(-_TIMED_BYTES // layer_bytes)))
+    caches = [tuple(torch.randn(blocks * block_size + 1, num_kv_heads, head_dim, generator=gen).bfloat16()
+                    for _ in range(2)) for _ in range(layers)]
+    tables = torch.randperm(blocks, generator=gen).int().view(_TIMED_SEQS, -1)
+    seq_lens = torch.full((_TIMED_SEQS,), _TIMED_CONTEXT, dtype=torch.int32)
+    query_start = torch.arange(_TIMED_SEQS + 1, dtype=torch.int32)
+    meta = AttentionMetadata(slot_mapping=None, block_tables=tables, query_start=query_start, seq_lens=seq_lens,
+                             query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(),
+                             num_decodes=_TIMED_SEQS, block_size=block_size)
+    q = torch.randn(_TIMED_SEQS, num_heads, head_dim, generator=gen)
+    best = float("inf")
+    for _ in range(3):
+        t0 = time.perf_counter()
+        for k_cache, v_cache in caches:
+            backend.forward(q, k_cache, v_cache, meta, head_dim ** -0.5)
+        best = min(best, (time.perf_counter() - t0) / layers)
+    return best
+
+
+def fastest_cpu(backends: list, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int):
+    """The fastest of the CPU kernels `backends` (each passed its probe) on a decode step of this
+    model's shape: measured, cached with the other hardware facts, logged."""
+    path = hardware.facts_path("attention")
+    key = f"{num_heads}/{num_kv_heads}/{head_dim}/{block_size} {'/'.join(b.name for b in backends)}"
+    try:
+        cached = json.loads(path.read_text())
+    except (OSError, ValueError):
+        cached = {}
+    times, how = cached.get(key), "cached"
+    if times is None:
+        measure = lambda: {b.name: _time_decodes(b, num_heads, num_kv_heads, head_dim, block_size) for b in backends}
+        times, quiet = hardware.uncontended(measure, "attention")
+        how = "measured" if quiet else "measured under contention (not cached)"
+        if quiet:
+            cached[key] = times
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(json.dumps(cached, indent=1))
+    chosen = min(backends, key=lambda b: times[b.name])
+    logger.info("attention %s: the fastest here (%s; ms a layer for %d decodes of %d tokens: %s), passed its probe "
+                "against SDPA", chosen.name, how, _TIMED_SEQS, _TIMED_CONTEXT,
+                ", ".join(f"{name} {t * 1e3:.2f}" for name, t in sorted(times.items())))
+    return chosen
 
 
 def probe_batch(device: torch.device, dtype: torch.dtype, num_heads: int, num_kv_heads: int, head_dim: int,

@@ -77,7 +77,8 @@ _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 # llama_forward(model, batch, scratch, logits, greedy_ids, threads) and the other llama_* take
 # the structures of native.py.
 _SIGNATURES = {
-    "paged_attention": (_I, [_P] * 7 + [_I] * 6 + [ctypes.c_float, _I, _I]),
+    "paged_attention": (_I, [_P] * 7 + [_I] * 6 + [ctypes.c_float, _I, _I, _I]),
+    "paged_attention_amx_supported": (_I, [_I] * 4),
     "gemm_f32": (None, [_P] * 4 + [_I] * 4),
     "gemm_f32_argmax": (_I, [_P] * 3 + [_I] * 4),
     "gemm_bf16_supported": (_I, []),
@@ -131,23 +132,36 @@ def missing_reason() -> str:
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
                     query_start: torch.Tensor, seq_lens: torch.Tensor, block_size: int, scale: float,
-                    out: torch.Tensor) -> None:
+                    out: torch.Tensor, amx: bool = False) -> None:
     """Causal attention of each sequence's new tokens over its paged context, into `out`.
 
     q, out: [num_tokens, num_heads, head_dim] float32, contiguous; caches: [num_slots,
     num_kv_heads, head_dim] float32 or bfloat16; block_tables: [num_seqs, max_blocks] int32;
-    query_start: [num_seqs + 1] int32; seq_lens: [num_seqs] int32.
+    query_start: [num_seqs + 1] int32; seq_lens: [num_seqs] int32. `amx`: scores on AMX tiles,
+    the queries rounded to bf16 (a bf16 cache where `amx_attention_supported`).
     """
     num_heads, head_dim = q.shape[1], q.shape[2]
     rc = native_library().paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), query_start.data_ptr(),
         seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], num_heads, k_cache.shape[1], head_dim,
-        block_size, block_tables.shape[1], scale, int(k_cache.dtype == torch.bfloat16),
+        block_size, block_tables.shape[1], scale, int(k_cache.dtype == torch.bfloat16), int(amx),
         torch.get_num_threads())
     if rc == -2:
         raise ValueError(f"paged_attention supports head sizes that are multiples of 8 up to 256, not {head_dim}")
+    if rc == -3:
+        raise ValueError(f"paged_attention on AMX needs {AMX_ATTENTION_NEEDS}")
     if rc != 0:
         raise MemoryError("paged_attention could not allocate its scratch space")
+
+
+AMX_ATTENTION_NEEDS = ("a CPU with AMX, a bf16 cache, head sizes that are multiples of 32, groups of up to 16 query "
+                       "heads and block sizes that are multiples of 16")
+
+
+def amx_attention_supported(num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> bool:
+    """Whether `paged_attention(amx=True)` runs here for this shape (see its error for the rules)."""
+    lib = native_library()
+    return lib is not None and bool(lib.paged_attention_amx_supported(num_heads, num_kv_heads, head_dim, block_size))
 
 
 def pack_f32(weight_t: torch.Tensor) -> torch.Tensor:

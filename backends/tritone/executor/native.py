@@ -50,7 +50,8 @@ class _Model(ctypes.Structure):
                                                    "vocab_rows")] + [
         ("all_reduce", _ALL_REDUCE), ("all_reduce_ctx", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, ctypes.c_void_p) for name in ("embed", "rope", "final_norm", "lm_head")] + [
-        ("layers", ctypes.POINTER(_Layer)), ("lora_slots", ctypes.c_int), ("lora_cols", ctypes.c_int)]
+        ("layers", ctypes.POINTER(_Layer)), ("lora_slots", ctypes.c_int), ("lora_cols", ctypes.c_int),
+        ("attention_amx", ctypes.c_int)]
 
 
 class _Batch(ctypes.Structure):
@@ -124,9 +125,10 @@ class NativeForward:
     """Runs `model` over a packed batch with one native call; the caches are the runner's."""
 
     def __init__(self, model: "llama.LlamaForCausalLM", kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, group=None, lora_slots: int = 0):
+                 block_size: int, group=None, lora_slots: int = 0, attention_amx: bool = False):
         """`group`: the tensor-parallel ranks' tensor_parallel.Group, whose all-reduce the model's is;
-        `lora_slots`: the adapter slots of the linears' stacked LoRA weights (lora.py), 0 for none."""
+        `lora_slots`: the adapter slots of the linears' stacked LoRA weights (lora.py), 0 for none;
+        `attention_amx`: attention on AMX tiles (kernels.paged_attention's `amx`)."""
         lora_cols = 0
         self.lib = kernels.native_library()
         spec = model.spec
@@ -184,7 +186,7 @@ class NativeForward:
             all_reduce=self._all_reduce, all_reduce_ctx=reduce_ctx, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
             embed=_ptr(model.embed_tokens.weight), rope=_ptr(rope), final_norm=_ptr(final_norm),
             lm_head=_ptr(self._panels(model.lm_head)), layers=layers, lora_slots=lora_slots if lora_cols else 0,
-            lora_cols=lora_cols)
+            lora_cols=lora_cols, attention_amx=int(attention_amx))
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def _panels(self, linear: "llama.Linear") -> torch.Tensor:

@@ -221,7 +221,8 @@ class ModelRunner(RunnerBase):
             logger.info("forward pass: torch (the native forward does not serve: %s)", reason)
             return None
         self.native = native.NativeForward(self.model, self.kv_caches, self.block_size, self.group,
-                                           self.lora.max_loras if self.lora is not None else 0)
+                                           self.lora.max_loras if self.lora is not None else 0,
+                                           attention_amx=self.attention.name == "cpu-amx")
         if self._probe is not None and not self._passes("native forward", "--forward native" if mode == "native" else None):
             self.native = None
             return None

@@ -50,7 +50,10 @@ int gemm_bf16_amx_argmax(const uint16_t *a, const uint16_t *panels, int64_t *out
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, const int32_t *query_start, const int32_t *seq_lens,
                     float *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
-                    int block_size, int max_blocks, float scale, int is_bf16, int num_threads);
+                    int block_size, int max_blocks, float scale, int is_bf16, int amx, int num_threads);
+/* 1 where paged_attention's amx path runs here: AMX built and granted, head_dim a multiple of 32,
+ * groups of up to 16 query heads, block_size a multiple of 16. */
+int paged_attention_amx_supported(int num_heads, int num_kv_heads, int head_dim, int block_size);
 
 /* The sampler's row work (argmax.c, sample.c). */
 void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads);
@@ -122,6 +125,7 @@ typedef struct {
     const LlamaLayer *layers;
     int lora_slots;          /* LoRA adapter slots (0: none loaded) */
     int lora_cols;           /* the widest linear's slots * width */
+    int attention_amx;       /* paged_attention on AMX tiles (its amx argument) */
 } LlamaModel;
 
 /* One step's packed batch, as the runner lays it out for paged_attention. */

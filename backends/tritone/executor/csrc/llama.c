@@ -278,7 +278,7 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
         pool_for(T, PARALLEL_ROWS, qkv_row, &rows, num_threads);
         const int rc = paged_attention(queries, l->k_cache, l->v_cache, b->block_tables, b->query_start, b->seq_lens,
                                        attn, b->num_seqs, m->num_heads, m->num_kv_heads, m->head_dim, b->block_size,
-                                       b->max_blocks, m->scale, m->bf16, num_threads);
+                                       b->max_blocks, m->scale, m->bf16 != 0, m->attention_amx, num_threads);
         if (rc) return rc;
         linear(m, attn, x_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
         lora_add(m, b, &l->lora_o, m->bf16 ? (const void *)x_bf16 : attn, x_bf16, lora_scratch, out, T, q_size, Hd,
