@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import logging
+import pathlib
 import time
 from dataclasses import dataclass
 
@@ -277,7 +278,9 @@ def fastest_cpu(backends: list, num_heads: int, num_kv_heads: int, head_dim: int
     """The fastest of the CPU kernels `backends` (each passed its probe) on a decode step of this
     model's shape: measured, cached with the other hardware facts, logged."""
     path = hardware.facts_path("attention")
-    key = f"{num_heads}/{num_kv_heads}/{head_dim}/{block_size} {'/'.join(b.name for b in backends)}"
+    # Keyed by the kernels' build too: a changed kernel is timed again.
+    build = pathlib.Path(kernels.native_library()._name).stem
+    key = f"{num_heads}/{num_kv_heads}/{head_dim}/{block_size} {'/'.join(b.name for b in backends)} {build}"
     try:
         cached = json.loads(path.read_text())
     except (OSError, ValueError):
