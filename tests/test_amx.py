@@ -9,6 +9,7 @@ import re
 import pytest
 import torch
 
+from test_attention import AMX as needs_amx_attention
 from test_engine import make_engine
 from tritone.executor import attention, gemm, kernels
 
@@ -59,10 +60,6 @@ def test_without_amx_the_choice_falls_back_and_asking_for_it_is_refused(monkeypa
         gemm.choose({(64, 96)}, torch.bfloat16, None, only="amx")
     # torch.mm on blocks of 32 rows, padded or not, whichever passes the row-invariance check here
     assert gemm.choose({(64, 96)}, torch.float32, None, only="mm")[(64, 96)].startswith("mm/32")
-
-
-needs_amx_attention = pytest.mark.skipif(not kernels.amx_attention_supported(9, 3, 64, 16),
-                                         reason="this CPU has no AMX (or Linux denied this process the AMX tiles)")
 
 
 @needs_amx_attention

@@ -51,12 +51,13 @@ class NativeCPUAttention:
 
     name = "cpu-native"
     capturable = False
+    amx = False
 
     def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
         qf = q.float().contiguous()
         out = torch.zeros_like(qf)
         kernels.paged_attention(qf, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
-                                meta.block_size, scale, out)
+                                meta.block_size, scale, out, amx=self.amx)
         return out.to(q.dtype)
 
 
@@ -65,13 +66,7 @@ class NativeAMXAttention(NativeCPUAttention):
     CPU has AMX, the cache is bf16 and the shape allows (kernels.amx_attention_supported)."""
 
     name = "cpu-amx"
-
-    def forward(self, q, k_cache, v_cache, meta: AttentionMetadata, scale: float) -> torch.Tensor:
-        qf = q.float().contiguous()
-        out = torch.zeros_like(qf)
-        kernels.paged_attention(qf, k_cache, v_cache, meta.block_tables, meta.query_start, meta.seq_lens,
-                                meta.block_size, scale, out, amx=True)
-        return out.to(q.dtype)
+    amx = True
 
 
 class TorchSDPAAttention:
@@ -248,10 +243,10 @@ def select_backend(device: torch.device, dtype: torch.dtype, num_heads: int, num
 _TIMED_SEQS, _TIMED_CONTEXT, _TIMED_BYTES = 64, 256, 96 << 20
 
 
-def _time_decodes(backend, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> float:
-    """Seconds per layer of a decode step of _TIMED_SEQS sequences of _TIMED_CONTEXT tokens, blocks
-    scattered over the cache as the block manager leaves them, the best of three passes over
-    cold copies of the cache."""
+def _time_decodes(backends: list, num_heads: int, num_kv_heads: int, head_dim: int, block_size: int) -> dict:
+    """Seconds per layer of a decode step of _TIMED_SEQS sequences of _TIMED_CONTEXT tokens for
+    each of `backends`, blocks scattered over the cache as the block manager leaves them: the best
+    of three passes over the same cold copies of the cache, the kernels taking turns."""
     gen = torch.Generator().manual_seed(0)
     blocks = _TIMED_SEQS * -(-_TIMED_CONTEXT // block_size)
     layer_bytes = 2 * blocks * block_size * num_kv_heads * head_dim * 2
@@ -265,12 +260,13 @@ def _time_decodes(backend, num_heads: int, num_kv_heads: int, head_dim: int, blo
                              query_start_list=query_start.tolist(), seq_lens_list=seq_lens.tolist(),
                              num_decodes=_TIMED_SEQS, block_size=block_size)
     q = torch.randn(_TIMED_SEQS, num_heads, head_dim, generator=gen)
-    best = float("inf")
+    best = {b.name: float("inf") for b in backends}
     for _ in range(3):
-        t0 = time.perf_counter()
-        for k_cache, v_cache in caches:
-            backend.forward(q, k_cache, v_cache, meta, head_dim ** -0.5)
-        best = min(best, (time.perf_counter() - t0) / layers)
+        for backend in backends:
+            t0 = time.perf_counter()
+            for k_cache, v_cache in caches:
+                backend.forward(q, k_cache, v_cache, meta, head_dim ** -0.5)
+            best[backend.name] = min(best[backend.name], (time.perf_counter() - t0) / layers)
     return best
 
 
@@ -287,8 +283,8 @@ def fastest_cpu(backends: list, num_heads: int, num_kv_heads: int, head_dim: int
         cached = {}
     times, how = cached.get(key), "cached"
     if times is None:
-        measure = lambda: {b.name: _time_decodes(b, num_heads, num_kv_heads, head_dim, block_size) for b in backends}
-        times, quiet = hardware.uncontended(measure, "attention")
+        times, quiet = hardware.uncontended(
+            lambda: _time_decodes(backends, num_heads, num_kv_heads, head_dim, block_size), "attention")
         how = "measured" if quiet else "measured under contention (not cached)"
         if quiet:
             cached[key] = times

@@ -316,10 +316,6 @@ static inline __attribute__((always_inline)) void decode_dim(const Args *a, int 
 /* Keys per step of the online softmax: four tiles of 16. */
 #define AMX_STEP 64
 
-static int amx_shape_ok(int num_heads, int num_kv_heads, int head_dim, int block_size) {
-    return head_dim % 32 == 0 && num_heads / num_kv_heads <= 16 && block_size % 16 == 0;
-}
-
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -555,8 +551,8 @@ static void attention_part(void *job_, int thread, int num_threads) {
 
 int paged_attention_amx_supported(int num_heads, int num_kv_heads, int head_dim, int block_size) {
 #ifdef HAVE_AMX_ATTENTION
-    return num_kv_heads > 0 && num_heads % num_kv_heads == 0 &&
-           amx_shape_ok(num_heads, num_kv_heads, head_dim, block_size) && gemm_bf16_amx_supported();
+    return num_kv_heads > 0 && num_heads % num_kv_heads == 0 && num_heads / num_kv_heads <= 16 &&
+           head_dim % 32 == 0 && block_size % 16 == 0 && gemm_bf16_amx_supported();
 #else
     (void)num_heads, (void)num_kv_heads, (void)head_dim, (void)block_size;
     return 0;
