@@ -143,8 +143,9 @@ def openai_server(model_dir, tmp_path_factory):
     srv, log = start_server(tmp_path_factory, "openai_server", "--kv-cache-bytes", str(256 << 20),
                             "--openai-port", str(free_port()), "--pipeline", "auto")
     yield srv
-    srv.stop()
+    code = srv.stop()
     log.close()
+    assert code == 0, (srv.run_dir / "server.log").read_text()[-3000:]
 
 
 @pytest.fixture(scope="session")

@@ -46,7 +46,14 @@ def test_inline_text_parses_ensemble_inputs_and_names_bad_fields(model_dir, toke
 
 
 @pytest.fixture(scope="module")
-def inline_server(model_dir, tmp_path_factory):
+def inline_server(request, model_dir, tmp_path_factory):
+    """llm_inline served as `ensemble`: the session's OpenAI server where the pipeline it runs by
+    default is that one (on a CPU), else a server of its own (a server start is most of a module's
+    time)."""
+    shared = request.getfixturevalue("openai_server")
+    if shared.pipeline == "inline":
+        yield shared
+        return
     srv, log = start_server(tmp_path_factory, "tritonserver-inline", "--kv-cache-bytes", str(256 << 20), "--pipeline", "inline")
     try:
         yield srv
