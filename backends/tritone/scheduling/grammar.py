@@ -18,9 +18,12 @@ import threading
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
-import torch
+
+if TYPE_CHECKING:  # the text processes import this module for Guide; they need not load torch
+    import torch
 
 logger = logging.getLogger(__name__)
 

@@ -3,17 +3,34 @@ TensorRT-LLM's word-list tensors."""
 
 from __future__ import annotations
 
+import json
+import pathlib
+
 import numpy as np
 
 from tritone.text.templates import has_tool_turns, hermes_tool_messages, template_takes_tools
 
 
-def load_tokenizer(model_dir: str):
-    # Here, not at the top: the models that only detokenize, and the OpenAI front end that reads
-    # chat templates, need not pay for importing transformers.
-    from transformers import AutoTokenizer
+# The class names under which transformers saves a plain `tokenizers` tokenizer: the class
+# AutoTokenizer resolves them to is PreTrainedTokenizerFast itself.
+_PLAIN_FAST = ("TokenizersBackend", "PreTrainedTokenizerFast")
 
-    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+
+def load_tokenizer(model_dir: str):
+    # Here, not at the top: the OpenAI front end, which reads chat templates, need not pay for
+    # importing transformers. A plain fast tokenizer is loaded by its class rather than through
+    # AutoTokenizer, whose model-config lookup imports torch: each text process would start
+    # about 2.5 s later and hold torch in memory for nothing.
+    import transformers
+
+    name = None
+    config = pathlib.Path(model_dir) / "tokenizer_config.json"
+    if config.is_file():
+        name = json.loads(config.read_text(encoding="utf-8")).get("tokenizer_class")
+    if name in _PLAIN_FAST:
+        tokenizer = transformers.PreTrainedTokenizerFast.from_pretrained(model_dir)
+    else:
+        tokenizer = transformers.AutoTokenizer.from_pretrained(model_dir)
     if not tokenizer.is_fast:
         raise ValueError(f"{model_dir} has no fast (tokenizers) tokenizer; Tritone needs one")
     return tokenizer
