@@ -197,3 +197,32 @@ def test_bad_words_cover_the_spelling_after_a_space(model_dir, tokenizer):
     encoded = PromptEncoder(str(model_dir)).encode_bad_words(["Paris"])
     assert tokenizer("Paris", add_special_tokens=False).input_ids in encoded
     assert tokenizer(" Paris", add_special_tokens=False).input_ids in encoded
+
+
+def test_the_text_processes_load_their_tokenizer_and_limits_without_torch(model_dir):
+    # A preprocessing or postprocessing instance that imported torch started about 2.5 s later
+    # and held it in memory for nothing: checked in a fresh interpreter, as a model process starts.
+    import subprocess
+    import sys
+
+    code = ("import sys\n"
+            "from tritone.serving.processing import Postprocessor, Preprocessor\n"
+            f"pre = Preprocessor({{'model_dir': {str(model_dir)!r}}})\n"
+            f"post = Postprocessor.from_parameters({{'model_dir': {str(model_dir)!r}}})\n"
+            "print(pre.max_input_len, 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    assert out == ["8192", "False"]
+
+
+def test_a_plain_fast_tokenizer_loads_as_autotokenizer_loads_it(model_dir):
+    from transformers import AutoTokenizer
+
+    from tritone.text import load_tokenizer
+
+    ours, auto = load_tokenizer(str(model_dir)), AutoTokenizer.from_pretrained(model_dir)
+    assert type(ours) is type(auto)
+    text = "Hello, world!<|im_end|>\n  x\u00e9 " + "".join(PIECES)
+    assert ours(text).input_ids == auto(text).input_ids
+    assert ours.decode(auto(text).input_ids) == auto.decode(auto(text).input_ids)
+    messages = [{"role": "user", "content": "What is the capital of France?"}]
+    assert ours.apply_chat_template(messages, tokenize=False) == auto.apply_chat_template(messages, tokenize=False)
