@@ -11,7 +11,6 @@ as vLLM does, so that neither the cache nor the block tables become graph inputs
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import pathlib
 import time
@@ -277,10 +276,7 @@ def fastest_cpu(backends: list, num_heads: int, num_kv_heads: int, head_dim: int
     # Keyed by the kernels' build too: a changed kernel is timed again.
     build = pathlib.Path(kernels.native_library()._name).stem
     key = f"{num_heads}/{num_kv_heads}/{head_dim}/{block_size} {'/'.join(b.name for b in backends)} {build}"
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = hardware.read_facts(path)
     times, how = cached.get(key), "cached"
     if times is None:
         times, quiet = hardware.uncontended(
@@ -288,8 +284,7 @@ def fastest_cpu(backends: list, num_heads: int, num_kv_heads: int, head_dim: int
         how = "measured" if quiet else "measured under contention (not cached)"
         if quiet:
             cached[key] = times
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(cached, indent=1))
+            hardware.write_facts(path, cached)
     chosen = min(backends, key=lambda b: times[b.name])
     logger.info("attention %s: the fastest here (%s; ms a layer for %d decodes of %d tokens: %s), passed its probe "
                 "against SDPA", chosen.name, how, _TIMED_SEQS, _TIMED_CONTEXT,

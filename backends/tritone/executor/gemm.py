@@ -26,7 +26,6 @@ layer.
 from __future__ import annotations
 
 import itertools
-import json
 import logging
 import time
 import weakref
@@ -218,10 +217,7 @@ def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path, only: s
         return _only(shapes, dtype, only)
     # The checks' version and the candidates: a kernel added here is measured, not left out.
     key = f"{dtype} checked-v2 {'/'.join(available(dtype))}"
-    try:
-        cached = json.loads(cache_path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = hardware.read_facts(cache_path)
     table = dict(cached.get(key, {}))
     measured = contended = False
     for k, n in sorted(shapes):
@@ -233,8 +229,7 @@ def choose(shapes: set[tuple[int, int]], dtype: torch.dtype, cache_path, only: s
                 cached.setdefault(key, {})[name] = table[name]
             contended |= not quiet
     if measured:
-        cache_path.parent.mkdir(parents=True, exist_ok=True)
-        cache_path.write_text(json.dumps(cached, indent=1))
+        hardware.write_facts(cache_path, cached)
     choice, dropped = {}, []
     for k, n in shapes:
         results = table[f"{k}x{n}"]

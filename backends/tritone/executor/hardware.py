@@ -61,6 +61,19 @@ def facts_path(name: str) -> pathlib.Path:
     return cache_root() / "hardware" / f"{name}-{_cpu_key()}.json"
 
 
+def read_facts(path: pathlib.Path) -> dict:
+    """A facts file's contents; empty where it is missing or unreadable (then measured again)."""
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def write_facts(path: pathlib.Path, facts: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(facts, indent=1))
+
+
 # Others' share of the machine's CPU over a measurement above which it is not trusted: a server's
 # own idle processes and the kernel stay well under it, a neighbour importing torch is far above.
 CONTENDED_SHARE = 0.15
@@ -132,16 +145,13 @@ def _uncontended(measure: Callable[[], T], what: str, attempts: int, patience_s:
 
 def fastest_cpu_dtype() -> torch.dtype:
     path = facts_path("cpu")
-    try:
-        facts = json.loads(path.read_text())
-        source = "cached"
-    except (OSError, ValueError):
+    facts, source = read_facts(path), "cached"
+    if "gemm_gflops" not in facts:
         gflops, quiet = uncontended(lambda: {name: measure_gemm_gflops(DTYPES[name]) for name in ("float32", "bfloat16")},
                                     "GEMM throughput per dtype")
         facts = {"gemm_gflops": gflops}
         if quiet:
-            path.parent.mkdir(parents=True, exist_ok=True)
-            path.write_text(json.dumps(facts))
+            write_facts(path, facts)
         source = "measured" if quiet else "measured under contention, not cached"
     gflops = facts["gemm_gflops"]
     best = max(gflops, key=gflops.get)

@@ -160,10 +160,7 @@ def cached_check(name: str, key: dict, run: Callable[[], Verdict]) -> Verdict:
     """`run()`'s verdict on path `name`, from the cache where the same key was checked before."""
     digest = hashlib.sha256(json.dumps({**key, "source": _source_digest()}, sort_keys=True).encode()).hexdigest()[:16]
     path = verdicts_path()
-    try:
-        cached = json.loads(path.read_text())
-    except (OSError, ValueError):
-        cached = {}
+    cached = hardware.read_facts(path)
     entry = cached.get(f"{name} {digest}")
     if entry is not None:
         verdict, source = Verdict(entry["problem"], entry["deviation"], entry["ties"]), "cached"
@@ -171,8 +168,7 @@ def cached_check(name: str, key: dict, run: Callable[[], Verdict]) -> Verdict:
         verdict, source = run(), "checked"
         cached[f"{name} {digest}"] = {"problem": verdict.problem, "deviation": verdict.deviation,
                                       "ties": verdict.ties}
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(cached, indent=1))
+        hardware.write_facts(path, cached)
     (logger.info if verdict.problem is None else logger.warning)(
         "fast path %s: %s (%s against the eager reference in the same dtype)", name, verdict.describe(), source)
     return verdict

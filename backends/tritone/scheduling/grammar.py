@@ -172,9 +172,9 @@ class Grammars:
     def _compile(self, guide: Guide):
         xgr = _xgrammar()
         if self._compiler is None:
-            from transformers import AutoTokenizer
+            from tritone.text import load_tokenizer
 
-            tokenizer = AutoTokenizer.from_pretrained(self.tokenizer_dir)
+            tokenizer = load_tokenizer(self.tokenizer_dir)
             info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=self.vocab_size,
                                                       stop_token_ids=self.stop_token_ids)
             # One compile thread: on a host with few cores the engine's forward pass needs the rest.
