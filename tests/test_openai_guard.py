@@ -109,15 +109,15 @@ def must_not_receive():
 
 # ---- a backend that answers from a script, and records what reached it ----
 
-class FakeResult:
-    def __init__(self, text: str, finish: str):
-        self.arrays = {"text_output": np.array([text.encode()], dtype=object),
-                       "finish_reason": np.array([finish.encode()], dtype=object),
-                       "num_input_tokens": np.array([3], dtype=np.int32),
-                       "num_output_tokens": np.array([1], dtype=np.int32)}
+def FakeResult(text: str, finish: str):
+    """A real gRPC result of one chunk, as tritonserver would send it."""
+    from test_client import grpc_result
 
-    def as_numpy(self, name):
-        return self.arrays.get(name)
+    arrays = {"text_output": np.array([text.encode()], dtype=object),
+              "num_input_tokens": np.array([3], dtype=np.int32), "num_output_tokens": np.array([1], dtype=np.int32)}
+    if finish:
+        arrays["finish_reason"] = np.array([finish.encode()], dtype=object)
+    return grpc_result(arrays)
 
 
 class FakeError:

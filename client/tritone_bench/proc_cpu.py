@@ -47,10 +47,11 @@ def role(comm: str, cmdline: bytes) -> str:
 
 
 class ProcessTree:
-    """The processes under `root` (itself included), summed by role."""
+    """The processes under each of `roots` (themselves included), summed by role: a server and
+    its front end where the launcher starts them side by side."""
 
-    def __init__(self, root: int, proc: pathlib.Path = pathlib.Path("/proc")):
-        self.root, self.proc = root, proc
+    def __init__(self, *roots: int, proc: pathlib.Path = pathlib.Path("/proc")):
+        self.roots, self.proc = roots, proc
 
     def _processes(self) -> dict[int, tuple[int, float, str, bytes]]:
         found = {}
@@ -72,7 +73,7 @@ class ProcessTree:
         for pid, (parent, *_) in processes.items():
             children.setdefault(parent, []).append(pid)
         totals: dict[str, float] = {}
-        stack = [self.root]
+        stack = list(self.roots)
         while stack:
             pid = stack.pop()
             stack.extend(children.get(pid, []))

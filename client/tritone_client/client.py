@@ -120,7 +120,7 @@ class TritoneClient:
                     raise RuntimeError(error.message() if hasattr(error, "message") else str(error))
                 response = result.get_response()
                 if response.outputs:
-                    yield read_chunk(result.as_numpy)
+                    yield read_grpc_chunk(result)
                 if response.parameters["triton_final_response"].bool_param:
                     return
         finally:
@@ -187,23 +187,79 @@ def _triton_dtype(dtype) -> str:
 def read_chunk(get) -> Chunk:
     """One response as a Chunk; `get(name)` is the output's array, or None where the response
     lacks it (a count or a finish reason that only some responses carry reads as 0 or "")."""
+    return _chunk(_ArrayFields(get))
 
-    def first(name, default):
-        array = get(name)
-        if array is None or np.asarray(array).size == 0:
-            return default
-        value = np.asarray(array).reshape(-1)[0]
-        return value.decode("utf-8") if isinstance(value, bytes) else value.item() if hasattr(value, "item") else value
 
-    log_probs = get("output_log_probs")
+def read_grpc_chunk(result) -> Chunk:
+    """One gRPC response (tritonclient's InferResult) as a Chunk, read from its raw contents in
+    one pass: `as_numpy` scans every output for each name and builds an array for each, which was
+    a fifth of the OpenAI front end's Python time per streamed token."""
+    response = result.get_response()
+    if len(response.raw_output_contents) != len(response.outputs):  # typed contents: the general reader
+        return read_chunk(result.as_numpy)
+    return _chunk(_RawFields(response))
+
+
+def _chunk(fields) -> Chunk:
+    first = fields.first
     return Chunk(
         text=first("text_output", ""),
         num_input_tokens=int(first("num_input_tokens", 0)),
         num_output_tokens=int(first("num_output_tokens", 0)),
         cum_log_prob=float(first("cum_log_probs", 0.0)),
-        output_log_probs=[] if log_probs is None else np.asarray(log_probs, dtype=np.float32).reshape(-1).tolist(),
+        output_log_probs=fields.floats("output_log_probs"),
         finish_reason=first("finish_reason", ""),
-        top_log_probs=json.loads(first("top_log_probs", "[]")),
-        prompt_log_probs=json.loads(first("prompt_log_probs", "[]")),
+        top_log_probs=_json_list(first("top_log_probs", "")),
+        prompt_log_probs=_json_list(first("prompt_log_probs", "")),
         sequence_index=int(first("sequence_index", 0)),
     )
+
+
+def _json_list(text: str) -> list:
+    return json.loads(text) if text else []
+
+
+class _ArrayFields:
+    """A response's outputs through a getter of arrays (tritonclient's as_numpy, or a JSON event's)."""
+
+    def __init__(self, get):
+        self.get = get
+
+    def first(self, name: str, default):
+        array = self.get(name)
+        if array is None or np.asarray(array).size == 0:
+            return default
+        value = np.asarray(array).reshape(-1)[0]
+        return value.decode("utf-8") if isinstance(value, bytes) else value.item() if hasattr(value, "item") else value
+
+    def floats(self, name: str) -> list[float]:
+        array = self.get(name)
+        return [] if array is None else np.asarray(array, dtype=np.float32).reshape(-1).tolist()
+
+
+class _RawFields:
+    """A gRPC response's outputs from its raw contents: Triton's little-endian tensors, BYTES as
+    a 4-byte length before each element."""
+
+    def __init__(self, response):
+        self.raw = {output.name: (output.datatype, data)
+                    for output, data in zip(response.outputs, response.raw_output_contents)}
+
+    def first(self, name: str, default):
+        datatype, data = self.raw.get(name, ("", b""))
+        if not data:
+            return default
+        if datatype == "BYTES":
+            return data[4:4 + int.from_bytes(data[:4], "little")].decode("utf-8")
+        return np.frombuffer(data, dtype=_NUMPY_DTYPES[datatype], count=1)[0].item()
+
+    def floats(self, name: str) -> list[float]:
+        datatype, data = self.raw.get(name, ("", b""))
+        if not datatype:
+            return []
+        return np.frombuffer(data, dtype=_NUMPY_DTYPES[datatype]).astype(np.float32).tolist()
+
+
+_NUMPY_DTYPES = {"BOOL": "?", "INT8": "i1", "INT16": "<i2", "INT32": "<i4", "INT64": "<i8",
+                 "UINT8": "u1", "UINT16": "<u2", "UINT32": "<u4", "UINT64": "<u8",
+                 "FP16": "<f2", "FP32": "<f4", "FP64": "<f8"}

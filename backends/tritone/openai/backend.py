@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 import numpy as np
 
-from tritone_client.client import Chunk, infer_inputs, read_chunk
+from tritone_client.client import Chunk, infer_inputs, read_grpc_chunk
 
 from tritone.openai.errors import Failure, RequestError, failed, triton_error
 
@@ -126,7 +126,7 @@ class Generation:
         if error is not None:
             self.is_answered = True
             raise triton_error(error.message() if hasattr(error, "message") else str(error), self.guide_field)
-        chunk = read_chunk(result.as_numpy)
+        chunk = read_grpc_chunk(result)
         # No prompt has zero tokens: a zero is a response without the count.
         chunk.num_input_tokens = self.num_input_tokens = chunk.num_input_tokens or self.num_input_tokens
         self.is_answered = self.is_answered or bool(chunk.finish_reason)
