@@ -80,12 +80,27 @@ def test_markdown_table_has_a_row_per_level():
 
 
 @pytest.mark.integration
+class OneSecondTree:
+    """A process tree whose one process spends one CPU second over the load."""
+
+    def __init__(self):
+        self.readings = iter([{"server": 10.0}, {"server": 11.0}])
+
+    def cpu_seconds(self) -> dict[str, float]:
+        return next(self.readings)
+
+
 def test_a_short_run_against_the_server(server, tokenizer):
     workload = Workload.fixed(PromptFactory(tokenizer), 8, prompt_tokens=20, output_tokens=4)
     metrics = ServerMetrics(f"http://{server.args.host}:{server.args.metrics_port}/metrics")
     url = f"{server.args.host}:{server.args.grpc_port}"
-    s = measure_level(GrpcStreams(url), workload, 3, duration=2.0, warmup=0.5, metrics=metrics, progress=False)
+    s = measure_level(GrpcStreams(url), workload, 3, duration=2.0, warmup=0.5, metrics=metrics, tree=OneSecondTree(),
+                      progress=False)
     assert s["num_errors"] == 0 and s["num_finished"] >= 3
+    # The CPU, read before and after the whole load, is per token of the whole load, warm-up and
+    # drain included, not of the window alone.
+    assert s["load_output_tokens"] % 4 == 0 and s["load_output_tokens"] > s["num_output_tokens"]
+    assert s["cpu_ms_per_token"]["server"] == pytest.approx(1000.0 / s["load_output_tokens"])
     # Every finished request made its 4 tokens; tokens/s agrees with the requests finished.
     assert s["output_tokens_per_s"] >= 4 * (s["num_finished"] - 3) / s["window_s"]
     assert s["ttft_s"]["p50"] > 0 and s["e2e_s"]["p50"] >= s["ttft_s"]["p50"]

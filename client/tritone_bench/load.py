@@ -79,8 +79,11 @@ def measure_level(sender, workload: Workload, concurrency: int, *, num_requests:
     load_seconds = time.perf_counter() - t_before
     stats = level_stats(records, window, ttft_target, tpot_target)
     stats["concurrency"] = concurrency
+    stats["load_output_tokens"] = sum(r.num_output_tokens for r in records)
     if tree:
-        stats["cpu_ms_per_token"] = per_token_ms(cpu, tree.cpu_seconds(), stats["num_output_tokens"])
+        # The CPU is read over the whole load, warm-up and drain included: per token of the whole
+        # load too (the window's tokens alone overstated it by the drain's share, near half at 128).
+        stats["cpu_ms_per_token"] = per_token_ms(cpu, tree.cpu_seconds(), stats["load_output_tokens"])
     if metrics:
         metrics.wait_idle()
         after = metrics.read()
