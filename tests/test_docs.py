@@ -103,13 +103,15 @@ def test_benchmark_tables_take_every_level_phase_and_process(benchmark_results):
 
 
 def test_openai_throughput_table():
-    levels = [{"concurrency": 32, "ratio": 1.1,
+    levels = [{"concurrency": 32, "ratio": 1.1, "round_ratios": [1.05, 1.15],
              "grpc": {"output_tokens_per_s": 100.0, "ttft_s": {"p50": 0.5}, "itl_s": {"p50": 0.15}},
-             "openai": {"output_tokens_per_s": 110.0, "ttft_s": {"p50": 0.4}, "itl_s": {"p50": 0.14}}},
+             "openai": {"output_tokens_per_s": 110.0, "ttft_s": {"p50": 0.4}, "itl_s": {"p50": 0.14},
+                        "cpu_ms_per_token": {"openai front end": 0.2514, "tritonserver": 0.2}}},
             {"concurrency": 128, "grpc": {}, "openai": {"output_tokens_per_s": 140.0}}]
     text = render_docs.render("openai-throughput", {"levels": levels})
-    assert table_rows(text, "32") == [["32", "100.0", "110.0", "1.10x", "0.500 / 0.400", "150.0 / 140.0"]]
-    assert table_rows(text, "128") == [["128", "n/a", "140.0", "n/a", "n/a / n/a", "n/a / n/a"]]
+    assert table_rows(text, "32") == [["32", "100.0", "110.0", "1.10x", "1.05, 1.15", "0.251", "0.500 / 0.400",
+                                       "150.0 / 140.0"]]
+    assert table_rows(text, "128") == [["128", "n/a", "140.0", "n/a", "n/a", "n/a", "n/a / n/a", "n/a / n/a"]]
 
 
 def test_a_source_not_yet_written_says_which_command_writes_it(tmp_path, monkeypatch):

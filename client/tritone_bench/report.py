@@ -170,15 +170,19 @@ def benchmark_tables(results: dict) -> str:
 
 def openai_throughput_table(results: dict) -> str:
     """`scripts/openai_throughput`: the same streaming load straight to the ensemble over gRPC and
-    through tritone-openai, level by level."""
+    through tritone-openai, level by level: tok/s pooled over the rounds (each round's ratio too,
+    where the run had rounds), and the front end's own CPU per output token."""
     rows = results.get("levels") or []
-    lines = ["| concurrency | gRPC tok/s | tritone-openai tok/s | OpenAI / gRPC | TTFT p50 gRPC / OpenAI (s) "
-             "| ITL p50 gRPC / OpenAI (ms) |", "|---|---|---|---|---|---|"]
+    lines = ["| concurrency | gRPC tok/s | tritone-openai tok/s | OpenAI / gRPC | by round | front end CPU (ms/token) "
+             "| TTFT p50 gRPC / OpenAI (s) | ITL p50 gRPC / OpenAI (ms) |", "|---|---|---|---|---|---|---|---|"]
     for row in rows:
         g, o = row.get("grpc") or {}, row.get("openai") or {}
+        rounds = ", ".join(_number(r, ".2f") for r in row.get("round_ratios") or []) or NA
+        front_end = (o.get("cpu_ms_per_token") or {}).get("openai front end")
         lines.append(f"| {row.get('concurrency', NA)} | {_number(g.get('output_tokens_per_s'), '.1f')} "
                      f"| {_number(o.get('output_tokens_per_s'), '.1f')} "
-                     f"| {_ratio(o.get('output_tokens_per_s'), g.get('output_tokens_per_s'))} "
+                     f"| {_ratio(o.get('output_tokens_per_s'), g.get('output_tokens_per_s'))} | {rounds} "
+                     f"| {_number(front_end, '.3f')} "
                      f"| {_pair(_stat(g, 'ttft', 'p50'), _stat(o, 'ttft', 'p50'), '.3f')} "
                      f"| {_pair(_stat(g, 'itl', 'p50'), _stat(o, 'itl', 'p50'), '.1f', 1000.0)} |")
     return "\n".join(lines)
