@@ -6,7 +6,7 @@ import json
 import openai
 import pytest
 
-from test_openai_guard import FakeBackend, FakeResult, post, served
+from test_openai_guard import FakeBackend, chunk_result, post, served
 from test_logprobs import client, server  # noqa: F401 (the session's OpenAI server)
 
 PROMPTS = ["The capital of France is", "One, two, three,", "Hello"]
@@ -23,7 +23,7 @@ def test_a_list_of_prompts_gets_one_choice_each_in_order():
 
 
 def test_streamed_choices_carry_their_index():
-    backend = FakeBackend([(FakeResult("Par", ""), None), (FakeResult("is.", "stop"), None)])
+    backend = FakeBackend([(chunk_result("Par", ""), None), (chunk_result("is.", "stop"), None)])
     app, _ = served(backend)
     response = post(app, "/v1/completions", {"model": "tiny", "prompt": PROMPTS[:2], "max_tokens": 3, "stream": True,
                                              "stream_options": {"include_usage": True}})

@@ -109,7 +109,7 @@ def must_not_receive():
 
 # ---- a backend that answers from a script, and records what reached it ----
 
-def FakeResult(text: str, finish: str):
+def chunk_result(text: str, finish: str):
     """A real gRPC result of one chunk, as tritonserver would send it."""
     from test_client import grpc_result
 
@@ -150,7 +150,7 @@ class FakeStream:
 
 class FakeBackend:
     def __init__(self, responses=None, fail: Exception | None = None):
-        self.responses = responses if responses is not None else [(FakeResult("Paris.", "stop"), None)]
+        self.responses = responses if responses is not None else [(chunk_result("Paris.", "stop"), None)]
         self.fail = fail
         self.calls: list[dict[str, np.ndarray]] = []
         self.aborted: list[str] = []
@@ -442,7 +442,7 @@ def test_error_messages_are_cut_short_and_utf8():
 
 
 def test_a_stream_passes_the_guard_whole():
-    backend = FakeBackend([(FakeResult("Par", ""), None), (FakeResult("is.", "stop"), None)])
+    backend = FakeBackend([(chunk_result("Par", ""), None), (chunk_result("is.", "stop"), None)])
     app, _ = served(backend, api_key=KEY)
     response = post(app, "/v1/chat/completions", chat(stream=True), headers={"authorization": f"Bearer {KEY}"})
     events = [line.removeprefix(b"data: ") for line in response.body.split(b"\n\n") if line]
@@ -453,8 +453,8 @@ def test_a_stream_passes_the_guard_whole():
 def test_streamed_tool_calls_finish_for_tool_calls():
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
     call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
-    backend = FakeBackend([(FakeResult("Let me look.\n", ""), None), (FakeResult(call[:9], ""), None),
-                           (FakeResult(call[9:], "stop"), None)])
+    backend = FakeBackend([(chunk_result("Let me look.\n", ""), None), (chunk_result(call[:9], ""), None),
+                           (chunk_result(call[9:], "stop"), None)])
     response = post(served(backend)[0], "/v1/chat/completions", chat(stream=True, tools=tools))
     events = [json.loads(line.removeprefix(b"data: ")) for line in response.body.split(b"\n\n")[:-2] if line]
     deltas = [e["choices"][0]["delta"] for e in events]

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from test_openai_guard import FakeBackend, FakeResult, chat, post, served
+from test_openai_guard import FakeBackend, chunk_result, chat, post, served
 from tritone.openai.server import build_parser
 from tritone.text.reasoning import split
 
@@ -18,7 +18,7 @@ CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</t
 
 
 def scripted(*pieces: str) -> FakeBackend:
-    return FakeBackend([(FakeResult(p, "stop" if i == len(pieces) - 1 else ""), None) for i, p in enumerate(pieces)])
+    return FakeBackend([(chunk_result(p, "stop" if i == len(pieces) - 1 else ""), None) for i, p in enumerate(pieces)])
 
 
 def events(response) -> list[dict]:

@@ -4,6 +4,7 @@ ids, and llm responses to text."""
 from __future__ import annotations
 
 import json
+import pathlib
 
 import numpy as np
 
@@ -113,9 +114,6 @@ def _model_context(model_dir: str) -> int:
     """The model's own context length, so that an over-long prompt fails here, naming its field.
     Read straight from config.json where it is there in plain sight: AutoConfig imports torch,
     which this process otherwise never needs (about 2.5 s of every instance's start)."""
-    import json
-    import pathlib
-
     try:
         plain = json.loads((pathlib.Path(model_dir) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError):
