@@ -83,15 +83,21 @@ static int rows_per_block(int M, size_t row_bytes, int mr) {
 
 /* The panel a thread computes after panel p of its run [.., end): the next in the run, else the
  * first of its next item's run, else P (none). */
-static inline int panel_after(int p, int end, int next_item, int items, int chunks, int P) {
-    return p + 1 < end ? p + 1 : next_item < items ? next_item % chunks * CHUNK : P;
+static inline int panel_after(const Plan *pl, int p, int end, int next_item) {
+    return p + 1 < end ? p + 1 : next_item < pl->items ? next_item % pl->chunks * pl->chunk : pl->P;
 }
 
 Plan gemm_plan(const Kernel *kn, int M, int K, int N) {
     Plan p = {kn, M, K, N};
     p.Kp = (K + kn->k_pad - 1) / kn->k_pad * kn->k_pad;
     p.P = (N + kn->nr - 1) / kn->nr;
-    p.chunks = (p.P + CHUNK - 1) / CHUNK;
+    /* A linear of few panels (576 or 960 columns: 18 or 30) in runs of four left one thread a run
+     * more than the other: claimed one at a time, two threads, 32 rows, 576 x 576 364 -> 400
+     * GFLOP/s, 1536 x 576 373 -> 409, 576 x 960 381 -> 401 (128 rows: 379 -> 417, 395 -> 418).
+     * A row or a few cost so little a panel that the claims would show (one row, 576 x 576: 71
+     * -> 65). */
+    p.chunk = p.P < 16 * CHUNK && M >= 8 ? 1 : CHUNK;
+    p.chunks = (p.P + p.chunk - 1) / p.chunk;
     p.a_row_bytes = (size_t)p.Kp * kn->elem;
     p.panel_bytes = (size_t)p.Kp * kn->nr * kn->elem;
     p.mc = rows_per_block(M, p.a_row_bytes, kn->mr);
@@ -103,11 +109,11 @@ void gemm_run_item(const Plan *pl, const void *a, const void *panels, const floa
                    int item, int next_item, void (*per_panel)(void *, int p, int m0, int mb, int ncols), void *ctx) {
     const int chunk = item % pl->chunks, m0 = item / pl->chunks * pl->mc;
     const int mb = pl->M - m0 < pl->mc ? pl->M - m0 : pl->mc;
-    const int end = (chunk + 1) * CHUNK < pl->P ? (chunk + 1) * CHUNK : pl->P;
+    const int end = (chunk + 1) * pl->chunk < pl->P ? (chunk + 1) * pl->chunk : pl->P;
     const int nr = pl->kn->nr;
     if (pl->kn->begin) pl->kn->begin();
-    for (int p = chunk * CHUNK; p < end; p++) {
-        const int q = panel_after(p, end, next_item, pl->items, pl->chunks, pl->P);
+    for (int p = chunk * pl->chunk; p < end; p++) {
+        const int q = panel_after(pl, p, end, next_item);
         const char *panel = (const char *)panels + (size_t)p * pl->panel_bytes;
         const char *next = q < pl->P ? (const char *)panels + (size_t)q * pl->panel_bytes : 0;
         const int ncols = pl->N - p * nr < nr ? pl->N - p * nr : nr;
@@ -137,9 +143,10 @@ static void gemm_part(void *job_, int thread, int num_threads) {
     }
 }
 
-/* Threads take runs of CHUNK panels from a shared counter rather than fixed halves: on a machine
- * where the server's other processes share the engine's cores, a thread that the kernel preempts
- * would otherwise leave its partner waiting at the end of every GEMM for the rest of its half.
+/* Threads take runs of panels (CHUNK, or one) from a shared counter rather than fixed halves: on
+ * a machine where the server's other processes share the engine's cores, a thread that the
+ * kernel preempts would otherwise leave its partner waiting at the end of every GEMM for the rest
+ * of its half.
  * Each thread claims its next run before computing the current one, so that it knows what to
  * prefetch. */
 static void gemm_run(const Kernel *kn, const void *a, const void *panels, const float *bias, float *c, int M, int K,

@@ -7,7 +7,8 @@
 
 #define NR_BF16 32 /* columns per bf16 panel (both the AVX512-BF16 and the AMX kernels) */
 /* Panels per claim: runs long enough to stream from memory in order, short enough that the
- * threads finish together. */
+ * threads finish together. GEMMs of few panels and enough rows claim them one at a time
+ * (gemm_plan). */
 #define CHUNK 4
 
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -37,11 +38,11 @@ extern const Kernel gemm_kernel_amx; /* gemm_amx.c */
  * it; NULL where the CPU has no bf16 kernel. */
 const Kernel *gemm_bf16_kernel(int amx, int K);
 
-/* Work shared by gemm_* and gemm_*_argmax: item i is run i % chunks of panels over row block
- * i / chunks. */
+/* Work shared by gemm_* and gemm_*_argmax: item i is run i % chunks of `chunk` panels over row
+ * block i / chunks. */
 typedef struct {
     const Kernel *kn;
-    int M, K, N, Kp, P, chunks, mc, items;
+    int M, K, N, Kp, P, chunk, chunks, mc, items;
     size_t panel_bytes, a_row_bytes;
 } Plan;
 
