@@ -71,6 +71,23 @@ def test_headline_compares_the_stacks_level_by_level(benchmark_results):
     assert row[6] == f"{tr['cpu_ms_per_token']['text path']:.3f} / {front_end:.3f}"
 
 
+def test_headline_says_how_the_stacks_took_turns(benchmark_results):
+    benchmark_results["config"]["interleave"] = False
+    assert "one stack after the other" in render_docs.render("headline", benchmark_results)
+    benchmark_results["config"]["interleave"] = True
+    text = render_docs.render("headline", benchmark_results)
+    assert "taking turns level by level" in text and "one stack after the other" not in text
+
+
+def test_interleave_needs_the_peer_and_runs_alone():
+    from tritone_bench import benchmark
+
+    for argv in (["--interleave"], ["--interleave", "--peer", "vllm", "--structured", "json-schema"],
+                 ["--interleave", "--peer", "vllm", "--lora-mix", "2"]):
+        with pytest.raises(SystemExit, match="--interleave needs --peer vllm"):
+            benchmark.main([*argv, "--hf-batches"])
+
+
 def test_headline_levels_in_numeric_order_and_missing_figures_as_na(benchmark_results):
     results = benchmark_results
     results["tritone"]["128"] = {"output_tokens_per_s": 300.0}  # no latencies, no CPU figures

@@ -4,7 +4,8 @@ Prompts of --prompt-len tokens, --output-len tokens each with end of sequence ig
 concurrency (the closed loop of `tritone_bench.load`, over a fixed number of requests, all
 measured); with --peer vllm, then the same workload against vLLM's CPU build serving the same
 model over its OpenAI /v1/completions stream, after Tritone's server has stopped (never both at
-once); then static batches of `generate` as the baseline, in the same run. Reports output
+once), or with --interleave both up at once and the two stacks taking turns level by level; then
+static batches of `generate` as the baseline, in the same run. Reports output
 tokens/s, TTFT and ITL (`tritone_bench.stats`), the engine's forward-busy fraction and step
 phases (from Tritone's metrics), the CPU per output token of each process of each stack, and
 Tritone/vLLM ratios; writes them with the machine, commit and date as JSON.
@@ -92,6 +93,11 @@ def parse_args(argv):
                    help="with --peer vllm: also drive each stack through its OpenAI API with vLLM's own client, "
                         "`vllm bench serve` (random prompts of --prompt-len, --output-len tokens, end of sequence "
                         "ignored, 2 x concurrency prompts a level, 8 at concurrency 1)")
+    p.add_argument("--interleave", action="store_true",
+                   help="with --peer vllm: both servers up at once, the stacks taking turns at each level (Tritone "
+                        "first at the first level, vLLM first at the next, ...), each stack's CPU while the other "
+                        "ran reported, so that a ratio compares two runs minutes apart rather than a quarter of an "
+                        "hour (this machine's speed moves by a tenth between runs)")
     p.add_argument("--structured", choices=["json-schema"],
                    help="also run each level with every request constrained to a JSON schema, and time the "
                         "first token of a new schema against a cached one")
@@ -110,14 +116,16 @@ def main(argv=None) -> int:
     from tritone.executor.hardware import resolve_dtype
 
     args = parse_args(argv)
+    if args.vllm_bench and not args.peer:
+        raise SystemExit("error: --vllm-bench needs --peer vllm (vLLM's client comes with its install)")
+    if args.interleave and (not args.peer or args.structured or args.lora_mix):
+        raise SystemExit("error: --interleave needs --peer vllm, and takes neither --structured nor --lora-mix")
     model_dir = resolve_model(args.model)
     # The peer's environment first: a failing install should not come after a long Tritone run.
     peer_python = peer.install() if args.peer else None
     factory = PromptFactory(AutoTokenizer.from_pretrained(model_dir))
     workload = Workload.fixed(factory, max(2 * max(args.concurrency + args.hf_batches), 8), args.prompt_len,
                               args.output_len)
-    if args.vllm_bench and not args.peer:
-        raise SystemExit("error: --vllm-bench needs --peer vllm (vLLM's client comes with its install)")
     args.peer_python = peer_python
     results = {"config": {k: v for k, v in vars(args).items() if k != "peer_python"}, "tritone": {}, "peer": {},
                "hf_generate": {}, "tritone_structured": {}, "peer_structured": {}, "tritone_vllm_bench": {},
@@ -130,9 +138,12 @@ def main(argv=None) -> int:
         print(f"Hugging Face generate, static batch {batch}...", flush=True)
         results["hf_generate"][batch] = hf_baseline(model_dir, prompts_ids, batch, args.output_len, dtype,
                                                     args.temperature, args.top_p)
-    run_tritone(args, model_dir, workload, results)
-    if args.peer:
-        run_peer(args, peer_python, model_dir, workload, results)
+    if args.interleave:
+        run_interleaved(args, peer_python, model_dir, workload, results)
+    else:
+        run_tritone(args, model_dir, workload, results)
+        if args.peer:
+            run_peer(args, peer_python, model_dir, workload, results)
     path = save("benchmark", results, args.json)
     print("\n" + report.render("benchmark", results), flush=True)
     if results["peer"]:
@@ -163,12 +174,18 @@ def run_levels(args, stack: str, make_sender, workload, results, key: str, metri
             if level["num_errors"]:
                 raise RuntimeError(f"{stack} failed requests at concurrency {c}: {level['errors']}")
             results.setdefault(key + suffix, {})[c] = level
-            steps = f"{format_breakdown(level['step_ms'])}; " if "step_ms" in level else ""
-            print(f"{stack}{', JSON schema' if schema else ''}, concurrency {c}: "
-                  f"{level['output_tokens_per_s']:.1f} tok/s, {level['tokens_per_response']:.2f} tokens per "
-                  f"response; {steps}CPU ms per token: {format_per_token(level['cpu_ms_per_token'])}", flush=True)
+            print_level(stack, c, level, schema)
     if args.structured:
         results["schema_ttft" if key == "tritone" else "peer_schema_ttft"] = schema_ttft(make_sender, workload)
+
+
+def print_level(stack: str, c: int, level: dict, schema) -> None:
+    steps = f"{format_breakdown(level['step_ms'])}; " if "step_ms" in level else ""
+    other = (f"; the other stack meanwhile {level['other_stack_cpu_cores']:.3f} cores"
+             if "other_stack_cpu_cores" in level else "")
+    print(f"{stack}{', JSON schema' if schema else ''}, concurrency {c}: "
+          f"{level['output_tokens_per_s']:.1f} tok/s, {level['tokens_per_response']:.2f} tokens per "
+          f"response; {steps}CPU ms per token: {format_per_token(level['cpu_ms_per_token'])}{other}", flush=True)
 
 
 def schema_ttft(make_sender, workload, tries: int = 3) -> dict:
@@ -182,7 +199,8 @@ def schema_ttft(make_sender, workload, tries: int = 3) -> dict:
     return {"new_schema_ttft_s": sum(new) / tries, "cached_schema_ttft_s": sum(cached) / tries}
 
 
-def run_tritone(args, model_dir, workload, results) -> None:
+def tritone_server(args, model_dir):
+    """Tritone's server as the benchmark runs it (a context manager)."""
     from tritone.launcher import temporary_server
 
     from tritone.processes import free_port
@@ -191,16 +209,23 @@ def run_tritone(args, model_dir, workload, results) -> None:
     if args.vllm_bench:
         options += ["--openai-port", str(free_port())]
     RUNS.mkdir(parents=True, exist_ok=True)
-    with temporary_server(RUNS / "tritone-server.log", *options) as server:
-        url = f"{server.args.host}:{server.args.grpc_port}"
-        model = "ensemble"  # llm_inline answers under this name too (--pipeline inline)
+    return temporary_server(RUNS / "tritone-server.log", *options)
+
+
+def tritone_sender(args, server, adapters=None):
+    url = f"{server.args.host}:{server.args.grpc_port}"
+    model = "ensemble"  # llm_inline answers under this name too (--pipeline inline)
+    return lambda schema: GrpcStreams(url, model, args.temperature, args.top_p, schema, adapters)
+
+
+def run_tritone(args, model_dir, workload, results) -> None:
+    with tritone_server(args, model_dir) as server:
         results["tritone_pipeline"] = server.pipeline
-        run_levels(args, "Tritone", lambda schema: GrpcStreams(url, model, args.temperature, args.top_p, schema),
-                   workload, results, "tritone", ServerMetrics.of(server), ProcessTree(server.process.pid))
+        run_levels(args, "Tritone", tritone_sender(args, server), workload, results, "tritone",
+                   ServerMetrics.of(server), ProcessTree(server.process.pid))
         if args.lora_mix:
             adapters = list(range(1, args.lora_mix + 1))
-            run_levels(args, f"Tritone, adapters {adapters} in turn",
-                       lambda schema: GrpcStreams(url, model, args.temperature, args.top_p, schema, adapters),
+            run_levels(args, f"Tritone, adapters {adapters} in turn", tritone_sender(args, server, adapters),
                        workload, results, "tritone_lora", ServerMetrics.of(server), ProcessTree(server.process.pid))
             for c in args.concurrency:
                 base, mixed = results["tritone"][c], results["tritone_lora"][c]
@@ -211,7 +236,8 @@ def run_tritone(args, model_dir, workload, results) -> None:
                            results)
 
 
-def run_peer(args, python, model_dir, workload, results) -> None:
+def start_peer(args, python, model_dir, results) -> peer.VllmServer:
+    """vLLM's server, started and ready (the caller stops it)."""
     num_threads = peer.engine_threads(args.peer_threads)
     dtype = args.peer_dtype
     if dtype == "auto":
@@ -231,22 +257,75 @@ def run_peer(args, python, model_dir, workload, results) -> None:
     server.start()
     try:
         results["peer_ready_s"] = server.wait_ready()
-        print(f"vLLM ready in {results['peer_ready_s']:.0f} s", flush=True)
+    except BaseException:
+        server.stop()
+        raise
+    print(f"vLLM ready in {results['peer_ready_s']:.0f} s", flush=True)
+    return server
 
-        def sender(schema):
-            extra = {"structured_outputs": {"json": schema}} if schema is not None else None
-            return OpenAIStreams(f"{server.url}/v1", server.model_name, args.temperature, args.top_p, extra)
 
-        run_levels(args, "vLLM", sender, workload, results, "peer", tree=ProcessTree(server.process.pid))
+def peer_sender(args, server: peer.VllmServer):
+    def sender(schema):
+        extra = {"structured_outputs": {"json": schema}} if schema is not None else None
+        return OpenAIStreams(f"{server.url}/v1", server.model_name, args.temperature, args.top_p, extra)
+
+    return sender
+
+
+def run_peer(args, python, model_dir, workload, results) -> None:
+    server = start_peer(args, python, model_dir, results)
+    try:
+        run_levels(args, "vLLM", peer_sender(args, server), workload, results, "peer",
+                   tree=ProcessTree(server.process.pid))
         if args.vllm_bench:
             run_vllm_bench(args, "peer", server.url, server.model_name, model_dir, results)
     finally:
         server.stop()
 
 
-def run_vllm_bench(args, stack: str, base_url: str, model_name: str, model_dir, results) -> None:
-    """Every level through `vllm bench serve`, into results[stack + "_vllm_bench"]."""
-    for c in args.concurrency:
+def run_interleaved(args, python, model_dir, workload, results) -> None:
+    """Both stacks up at once, taking turns level by level; each one's CPU while the other ran is
+    kept, so that a reader can see the idle stack took nothing from the busy one."""
+    with tritone_server(args, model_dir) as tritone:
+        results["tritone_pipeline"] = tritone.pipeline
+        vllm = start_peer(args, python, model_dir, results)
+        try:
+            stacks = {
+                "tritone": ("Tritone", tritone_sender(args, tritone), ServerMetrics.of(tritone),
+                            ProcessTree(tritone.process.pid)),
+                "peer": ("vLLM", peer_sender(args, vllm), None, ProcessTree(vllm.process.pid)),
+            }
+            warm = Workload([(text, prompt_tokens, 8) for text, prompt_tokens, _ in workload.prompts[:4]])
+            for _, make_sender, _, _ in stacks.values():
+                measure_level(make_sender(None), warm, 4, num_requests=4, progress=False)
+            bench_urls = {"tritone": (tritone.openai_url.removesuffix("/v1") if args.vllm_bench else None,
+                                      tritone.model_dir.name), "peer": (vllm.url, vllm.model_name)}
+            for i, c in enumerate(args.concurrency):
+                order = ["tritone", "peer"] if i % 2 == 0 else ["peer", "tritone"]
+                for key in order:
+                    other = stacks["peer" if key == "tritone" else "tritone"][3]
+                    idle_before = other.cpu_seconds()
+                    t0 = time.perf_counter()
+                    stack, make_sender, metrics, tree = stacks[key]
+                    level = measure_level(make_sender(None), workload, c, num_requests=level_requests(args, c),
+                                          metrics=metrics, tree=tree, label=f"{stack} ")
+                    if level["num_errors"]:
+                        raise RuntimeError(f"{stack} failed requests at concurrency {c}: {level['errors']}")
+                    level["other_stack_cpu_cores"] = (sum(other.cpu_seconds().values()) - sum(idle_before.values())) \
+                        / (time.perf_counter() - t0)
+                    results[key][c] = level
+                    print_level(stack, c, level, None)
+                if args.vllm_bench:
+                    for key in order:
+                        url, name = bench_urls[key]
+                        run_vllm_bench(args, key, url, name, model_dir, results, levels=[c])
+        finally:
+            vllm.stop()
+
+
+def run_vllm_bench(args, stack: str, base_url: str, model_name: str, model_dir, results, levels=None) -> None:
+    """Every level (or `levels`) through `vllm bench serve`, into results[stack + "_vllm_bench"]."""
+    for c in levels or args.concurrency:
         result = peer.bench_serve(args.peer_python, base_url, model_name, model_dir, c, args.prompt_len,
                                   args.output_len, 8 if c == 1 else 2 * c, RUNS, stack)
         results[f"{stack}_vllm_bench"][c] = {key: result.get(key) for key in (

@@ -356,7 +356,9 @@ def measured_head(results: Any) -> str:
                  f"Tritone {results.get('tritone_dtype')}"
                  + (f" (pipeline {results['tritone_pipeline']})" if results.get("tritone_pipeline") else "")
                  + (f", vLLM {results['peer_dtype']} on {results['peer_threads']} engine thread(s)"
-                    if results.get("peer_dtype") else ""))
+                    if results.get("peer_dtype") else "")
+                 + ("; both servers up, the stacks taking turns level by level" if config.get("interleave") else
+                    "; one stack after the other" if results.get("peer_dtype") else ""))
     return head
 
 
