@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from typing import Callable, NamedTuple
 
 from tritone_bench import peer, report
 from tritone_bench.load import measure_level
@@ -283,6 +284,15 @@ def run_peer(args, python, model_dir, workload, results) -> None:
         server.stop()
 
 
+class Stack(NamedTuple):
+    name: str
+    make_sender: Callable
+    metrics: ServerMetrics | None
+    tree: ProcessTree
+    url: str  # its OpenAI API's base, for vllm bench serve
+    model: str
+
+
 def run_interleaved(args, python, model_dir, workload, results) -> None:
     """Both stacks up at once, taking turns level by level; each one's CPU while the other ran is
     kept, so that a reader can see the idle stack took nothing from the busy one."""
@@ -291,34 +301,32 @@ def run_interleaved(args, python, model_dir, workload, results) -> None:
         vllm = start_peer(args, python, model_dir, results)
         try:
             stacks = {
-                "tritone": ("Tritone", tritone_sender(args, tritone), ServerMetrics.of(tritone),
-                            ProcessTree(tritone.process.pid)),
-                "peer": ("vLLM", peer_sender(args, vllm), None, ProcessTree(vllm.process.pid)),
+                "tritone": Stack("Tritone", tritone_sender(args, tritone), ServerMetrics.of(tritone),
+                                 ProcessTree(tritone.process.pid),
+                                 tritone.openai_url.removesuffix("/v1") if args.vllm_bench else "",
+                                 tritone.model_dir.name),
+                "peer": Stack("vLLM", peer_sender(args, vllm), None, ProcessTree(vllm.process.pid), vllm.url,
+                              vllm.model_name),
             }
             warm = Workload([(text, prompt_tokens, 8) for text, prompt_tokens, _ in workload.prompts[:4]])
-            for _, make_sender, _, _ in stacks.values():
-                measure_level(make_sender(None), warm, 4, num_requests=4, progress=False)
-            bench_urls = {"tritone": (tritone.openai_url.removesuffix("/v1") if args.vllm_bench else None,
-                                      tritone.model_dir.name), "peer": (vllm.url, vllm.model_name)}
+            for stack in stacks.values():
+                measure_level(stack.make_sender(None), warm, 4, num_requests=4, progress=False)
             for i, c in enumerate(args.concurrency):
                 order = ["tritone", "peer"] if i % 2 == 0 else ["peer", "tritone"]
                 for key in order:
-                    other = stacks["peer" if key == "tritone" else "tritone"][3]
-                    idle_before = other.cpu_seconds()
-                    t0 = time.perf_counter()
-                    stack, make_sender, metrics, tree = stacks[key]
-                    level = measure_level(make_sender(None), workload, c, num_requests=level_requests(args, c),
-                                          metrics=metrics, tree=tree, label=f"{stack} ")
+                    stack, other = stacks[key], stacks["peer" if key == "tritone" else "tritone"]
+                    other_before, t0 = sum(other.tree.cpu_seconds().values()), time.perf_counter()
+                    level = measure_level(stack.make_sender(None), workload, c, num_requests=level_requests(args, c),
+                                          metrics=stack.metrics, tree=stack.tree, label=f"{stack.name} ")
                     if level["num_errors"]:
-                        raise RuntimeError(f"{stack} failed requests at concurrency {c}: {level['errors']}")
-                    level["other_stack_cpu_cores"] = (sum(other.cpu_seconds().values()) - sum(idle_before.values())) \
-                        / (time.perf_counter() - t0)
+                        raise RuntimeError(f"{stack.name} failed requests at concurrency {c}: {level['errors']}")
+                    level["other_stack_cpu_cores"] = ((sum(other.tree.cpu_seconds().values()) - other_before)
+                                                      / (time.perf_counter() - t0))
                     results[key][c] = level
-                    print_level(stack, c, level, None)
+                    print_level(stack.name, c, level, None)
                 if args.vllm_bench:
                     for key in order:
-                        url, name = bench_urls[key]
-                        run_vllm_bench(args, key, url, name, model_dir, results, levels=[c])
+                        run_vllm_bench(args, key, stacks[key].url, stacks[key].model, model_dir, results, levels=[c])
         finally:
             vllm.stop()
 
