@@ -6,6 +6,8 @@ invariants 3, 7 and 8)."""
 
 from __future__ import annotations
 
+import os
+import pathlib
 import re
 import threading
 
@@ -106,3 +108,30 @@ def test_a_seed_means_one_text_streamed_or_not_alone_or_batched(grpc, default_se
     for t in threads:
         t.join()
     assert not errors and batched == alone
+
+
+def _threads_nice_and_cpu(pid: int) -> list[tuple[int, int]]:
+    """(nice, user + system ticks) of each thread of `pid`."""
+    found = []
+    for task in pathlib.Path(f"/proc/{pid}/task").iterdir():
+        fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        found.append((int(fields[16]), int(fields[11]) + int(fields[12])))
+    return found
+
+
+def test_the_text_work_yields_the_cores_to_the_engines_forward(default_server):
+    """--text-nice, at its default on a CPU: tritonserver, tritone-openai and the text models run
+    10 nicer than the engine's forward threads, and so does the engine's response sender."""
+    base = os.getpriority(os.PRIO_PROCESS, 0)
+    nicer = min(19, base + 10)
+    stubs = {pid: pathlib.Path(f"/proc/{pid}/cmdline").read_bytes() for pid in default_server.stub_pids()}
+    text = [default_server.process.pid, default_server.frontend.pid]
+    text += [pid for pid, command in stubs.items() if b"/llm/1/model.py" not in command]
+    assert len(text) >= 4  # tritonserver, tritone-openai, preprocessing and postprocessing
+    for pid in text:
+        assert {nice for nice, _ in _threads_nice_and_cpu(pid)} == {nicer}, pid
+    [llm] = [pid for pid, command in stubs.items() if b"/llm/1/model.py" in command]
+    threads = _threads_nice_and_cpu(llm)
+    busiest_nice, _ = max(threads, key=lambda thread: thread[1])
+    assert busiest_nice == base  # the engine's thread: it loaded the model and runs the forward
+    assert nicer in {nice for nice, _ in threads}  # the response sender

@@ -1,9 +1,11 @@
-"""Process helpers every part of Tritone shares: a process that dies with its parent, a free port."""
+"""Process helpers every part of Tritone shares: a process that dies with its parent, a free port,
+a lower priority for the text work that shares the CPU with the engine."""
 
 from __future__ import annotations
 
 import ctypes
 import os
+import pathlib
 import signal
 import socket
 
@@ -27,3 +29,26 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def lower_priority(pid: int, by: int, done: set[int] | None = None) -> list[int]:
+    """Adds `by` to the nice value of every thread of process `pid` (Linux schedules threads, and
+    a thread started later inherits its creator's), at most 19, skipping the thread ids in `done`
+    and adding those it lowered to it; returns them. Raising a nice value needs no privilege; a
+    thread that has ended or cannot be changed is left."""
+    lowered = []
+    try:
+        tids = [int(t.name) for t in pathlib.Path(f"/proc/{pid}/task").iterdir()]
+    except OSError:
+        return lowered
+    for tid in tids:
+        if done is not None and tid in done:
+            continue
+        try:
+            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+        except OSError:
+            continue
+        lowered.append(tid)
+    if done is not None:
+        done.update(lowered)
+    return lowered

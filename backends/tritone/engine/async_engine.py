@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import os
 import queue
 import threading
 import time
@@ -264,11 +265,25 @@ class AsyncEngine:
 
     def _sender_loop(self) -> None:
         try:
+            self._lower_sender_priority()
             self._send_until_stopped()
         except BaseException as exc:
             logger.exception("the sender thread died")
             # Nothing can be sent any more: the requests end when the model's process does.
             self._die(f"sender thread died: {exc!r}", send=False)
+
+    def _lower_sender_priority(self) -> None:
+        """On the CPU the sender's work (text, and a round trip to tritonserver per response)
+        preempts the forward's threads, which then wait for each other; nicer, it runs in their
+        gaps (config.text_nice)."""
+        nice = self.engine.config.text_nice
+        device = getattr(getattr(self.engine, "runner", None), "device", None)
+        if nice and getattr(device, "type", None) == "cpu":
+            tid = threading.get_native_id()
+            try:
+                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+            except OSError as exc:
+                logger.warning("could not lower the response sender's priority: %s", exc)
 
     def _send_until_stopped(self) -> None:
         stopping = False

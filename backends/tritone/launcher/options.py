@@ -85,12 +85,17 @@ def resolve_pipeline(args) -> str:
     pipeline = getattr(args, "pipeline", "auto")
     if pipeline != "auto":
         return pipeline
+    return "inline" if engine_on_cpu(args) else "ensemble"
+
+
+def engine_on_cpu(args) -> bool:
+    """Whether the engine's device (--device, auto: a GPU where there is one) is the CPU."""
     device = getattr(args, "device", "auto")
     if device == "auto":
         import torch
 
         device = "cuda" if torch.cuda.is_available() else "cpu"
-    return "inline" if device == "cpu" else "ensemble"
+    return device == "cpu"
 
 
 def template_values(args, model_dir: pathlib.Path) -> dict[str, object]:

@@ -19,9 +19,10 @@ import urllib.request
 from tritone.cache import cache_root
 from tritone.checkpoints import resolve_model
 from tritone.launcher.install import TritonInstall, find_malloc, find_tritonserver
-from tritone.launcher.options import ADMIN_HEADER, RESTRICTED_APIS, build_parser, resolve_pipeline, template_values
+from tritone.launcher.options import (ADMIN_HEADER, RESTRICTED_APIS, build_parser, engine_on_cpu, resolve_pipeline,
+                                     template_values)
 from tritone.launcher.repository import ENSEMBLE_MODELS, INLINE_MODELS, render_repository
-from tritone.processes import die_with_parent, free_port
+from tritone.processes import die_with_parent, free_port, lower_priority
 from tritone.serving import flow
 from tritone.serving.inputs import CONTROL_KEY_ENV
 from tritone.text.templates import chat_template_text, parser_for_template
@@ -52,6 +53,9 @@ class Server:
         self._skip_drain = False
         # "ensemble" or "inline" (--pipeline, auto resolved once: a restart serves the same).
         self.pipeline = resolve_pipeline(args)
+        # Where the engine computes on the CPU, the text work yields it the cores (--text-nice).
+        self.text_nice = getattr(args, "text_nice", 0) if engine_on_cpu(args) else 0
+        self._lowered: dict[int, set[int]] = {}  # process: its threads already made nicer
 
     def command(self, install: TritonInstall, repository: pathlib.Path) -> list[str]:
         a = self.args
@@ -176,11 +180,33 @@ class Server:
             try:
                 with urllib.request.urlopen(url, timeout=2) as r:
                     if r.status == 200:
-                        return self._wait_frontend(deadline)
+                        self._wait_frontend(deadline)
+                        return self._lower_text_priority()
             except OSError:
                 pass
             time.sleep(0.5)
         raise TimeoutError(f"tritonserver was not ready within {timeout:.0f} s")
+
+    def _lower_text_priority(self) -> None:
+        """tritonserver's threads, tritone-openai's and the text models' processes, once ready,
+        `text_nice` nicer than the engine's forward threads; the engine lowers its own response
+        sender (AsyncEngine). Once the models are loaded: their processes, forked by tritonserver,
+        would otherwise inherit it, and a process cannot take back a priority it gave up."""
+        if not self.text_nice:
+            return
+        text = [self.process.pid] + [pid for pid in self.stub_pids() if self._is_text_model(pid)]
+        if self.frontend is not None and self.frontend.poll() is None:
+            text.append(self.frontend.pid)
+        for pid in text:
+            lower_priority(pid, self.text_nice, self._lowered.setdefault(pid, set()))
+
+    @staticmethod
+    def _is_text_model(pid: int) -> bool:
+        try:
+            command = pathlib.Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+        return any(f"/{name}/1/model.py".encode() in command for name in ("preprocessing", "postprocessing"))
 
     def _wait_frontend(self, deadline: float) -> None:
         # A front end that cannot start (its port taken) leaves tritonserver serving: say so.
@@ -248,6 +274,7 @@ class Server:
               file=sys.stderr, flush=True)
         self.num_frontend_restarts += 1
         self._start_frontend(self._stdout)
+        self._lower_text_priority()
 
     def _restart(self, attempts: int = 3) -> None:
         # A start right after a crash has been seen to abort in the Python backend: try again.
