@@ -132,9 +132,9 @@ OPTIONS: tuple[Option, ...] = (
     # Every core by default, though the text stages share them: served on 2 cores, the model on
     # both made more tokens/s than the model on one with the other left to the text stages.
     Option("num_threads", int, 0, "CPU threads for the model (0: every core)", minimum=0),
-    # Served on 2 cores at concurrency 32 and 128, tritonserver and the engine's response sender 10
-    # nicer than the forward's threads: 757 against 684 and 863 against 770 tok/s, alternated
-    # (docs/performance-log.md, 2026-12-07); either alone changed nothing.
+    # Served on 2 cores, tritonserver and the engine's response sender 10 nicer than the forward's
+    # threads: 775 against 702 tok/s at concurrency 32 (eight alternated windows each), 866
+    # against 770 at 128 (docs/performance-log.md, 2026-12-07); either alone changed nothing.
     Option("text_nice", int, 10, "where the engine runs on the CPU, how much nicer (0 to 19) the server's text "
            "work runs than the engine's forward threads: tritonserver, tritone-openai, the text models' processes "
            "and the engine's response sender (0: the same priority)", check=_nice_problem),
