@@ -2,6 +2,7 @@
 made nicer."""
 
 import os
+import pathlib
 import subprocess
 import sys
 import time
@@ -40,7 +41,7 @@ def test_a_named_allocator_that_is_missing_is_refused(monkeypatch):
     assert find_malloc("auto") is None  # the C library's, where none is found
 
 
-def test_lower_priority_adds_to_every_thread_once(tmp_path):
+def test_lower_priority_raises_every_threads_nice_value_to_at_least_the_one_given(tmp_path):
     from tritone.processes import lower_priority
 
     child = subprocess.Popen([sys.executable, "-c", "import threading, time; "
@@ -48,14 +49,15 @@ def test_lower_priority_adds_to_every_thread_once(tmp_path):
     try:
         time.sleep(0.5)  # its second thread started
         base = os.getpriority(os.PRIO_PROCESS, child.pid)
-        done: set[int] = set()
-        lowered = lower_priority(child.pid, 3, done)
-        assert len(lowered) == 2 and set(lowered) == done
-        nices = {os.getpriority(os.PRIO_PROCESS, tid) for tid in lowered}
-        assert nices == {min(19, base + 3)}
-        assert lower_priority(child.pid, 3, done) == []  # each thread once
+        target = min(19, base + 3)
+        changed = lower_priority(child.pid, target)
+        assert len(changed) == (2 if target > base else 0)
+        tids = [int(t.name) for t in pathlib.Path(f"/proc/{child.pid}/task").iterdir()]
+        assert {os.getpriority(os.PRIO_PROCESS, tid) for tid in tids} == {target}
+        assert lower_priority(child.pid, target) == []  # nothing left to change
+        assert lower_priority(child.pid, base) == []  # never back
         lower_priority(child.pid, 30)  # never past 19
-        assert {os.getpriority(os.PRIO_PROCESS, tid) for tid in lowered} == {19}
+        assert {os.getpriority(os.PRIO_PROCESS, tid) for tid in tids} == {19}
     finally:
         child.kill()
         child.wait()

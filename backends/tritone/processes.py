@@ -31,24 +31,22 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def lower_priority(pid: int, by: int, done: set[int] | None = None) -> list[int]:
-    """Adds `by` to the nice value of every thread of process `pid` (Linux schedules threads, and
-    a thread started later inherits its creator's), at most 19, skipping the thread ids in `done`
-    and adding those it lowered to it; returns them. Raising a nice value needs no privilege; a
-    thread that has ended or cannot be changed is left."""
-    lowered = []
+def lower_priority(pid: int, nice: int) -> list[int]:
+    """Raises the nice value of every thread of process `pid` to at least `nice` (at most 19)
+    and returns the threads it changed: Linux schedules threads, and a thread started later
+    inherits its creator's, so running it again catches only the new ones that need it. Raising a
+    nice value needs no privilege; a thread that has ended or cannot be changed is left."""
+    nice = min(19, nice)
+    changed = []
     try:
         tids = [int(t.name) for t in pathlib.Path(f"/proc/{pid}/task").iterdir()]
     except OSError:
-        return lowered
+        return changed
     for tid in tids:
-        if done is not None and tid in done:
-            continue
         try:
-            os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + by))
+            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+                changed.append(tid)
         except OSError:
             continue
-        lowered.append(tid)
-    if done is not None:
-        done.update(lowered)
-    return lowered
+    return changed

@@ -53,9 +53,10 @@ class Server:
         self._skip_drain = False
         # "ensemble" or "inline" (--pipeline, auto resolved once: a restart serves the same).
         self.pipeline = resolve_pipeline(args)
-        # Where the engine computes on the CPU, the text work yields it the cores (--text-nice).
-        self.text_nice = getattr(args, "text_nice", 0) if engine_on_cpu(args) else 0
-        self._lowered: dict[int, set[int]] = {}  # process: its threads already made nicer
+        # Where the engine computes on the CPU, the text work yields it the cores (--text-nice):
+        # that much nicer than the processes start (our own priority).
+        nicer = getattr(args, "text_nice", 0) if engine_on_cpu(args) else 0
+        self.text_priority = os.getpriority(os.PRIO_PROCESS, 0) + nicer if nicer else None
 
     def command(self, install: TritonInstall, repository: pathlib.Path) -> list[str]:
         a = self.args
@@ -189,16 +190,16 @@ class Server:
 
     def _lower_text_priority(self) -> None:
         """tritonserver's threads, tritone-openai's and the text models' processes, once ready,
-        `text_nice` nicer than the engine's forward threads; the engine lowers its own response
+        --text-nice nicer than the engine's forward threads; the engine lowers its own response
         sender (AsyncEngine). Once the models are loaded: their processes, forked by tritonserver,
         would otherwise inherit it, and a process cannot take back a priority it gave up."""
-        if not self.text_nice:
+        if self.text_priority is None:
             return
         text = [self.process.pid] + [pid for pid in self.stub_pids() if self._is_text_model(pid)]
         if self.frontend is not None and self.frontend.poll() is None:
             text.append(self.frontend.pid)
         for pid in text:
-            lower_priority(pid, self.text_nice, self._lowered.setdefault(pid, set()))
+            lower_priority(pid, self.text_priority)
 
     @staticmethod
     def _is_text_model(pid: int) -> bool:
