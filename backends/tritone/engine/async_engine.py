@@ -354,7 +354,11 @@ def merge_outputs(outputs: list[RequestOutput]) -> list[RequestOutput]:
         if prev is None:
             merged[output.request_id] = output
             continue
+        # Every per-token list joins; the prompt's scores come with the first output alone.
+        top = None if prev.new_top_log_probs is None and output.new_top_log_probs is None else \
+            (prev.new_top_log_probs or []) + (output.new_top_log_probs or [])
         merged[output.request_id] = dataclasses.replace(
             output, new_token_ids=prev.new_token_ids + output.new_token_ids,
-            new_log_probs=prev.new_log_probs + output.new_log_probs)
+            new_log_probs=prev.new_log_probs + output.new_log_probs, new_top_log_probs=top,
+            prompt_top_log_probs=prev.prompt_top_log_probs or output.prompt_top_log_probs)
     return list(merged.values())
