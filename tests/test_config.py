@@ -29,6 +29,8 @@ def _other_value(option: Option):
         return "cpu"
     if option.name == "lora_modules":
         return "adapter=/adapters/one,other=/adapters/two"
+    if option.name == "text_nice":
+        return "7"
     if option.type is float:
         return option.default / 2
     return option.default + 3

@@ -120,8 +120,9 @@ def _threads_nice_and_cpu(pid: int) -> list[tuple[int, int]]:
 
 
 def test_the_text_work_yields_the_cores_to_the_engines_forward(default_server):
-    """--text-nice, at its default on a CPU: tritonserver, tritone-openai and the text models run
-    10 nicer than the engine's forward threads, and so does the engine's response sender."""
+    """--text-nice, at its default on a CPU beside the ensemble's processes (auto: 10; 19 inline):
+    tritonserver, tritone-openai and the text models run 10 nicer than the engine's forward
+    threads, and so does the engine's response sender."""
     base = os.getpriority(os.PRIO_PROCESS, 0)
     nicer = min(19, base + 10)
     stubs = {pid: pathlib.Path(f"/proc/{pid}/cmdline").read_bytes() for pid in default_server.stub_pids()}

@@ -61,3 +61,14 @@ def test_lower_priority_raises_every_threads_nice_value_to_at_least_the_one_give
     finally:
         child.kill()
         child.wait()
+
+
+def test_text_nice_auto_is_19_inline_and_10_beside_the_ensembles_processes():
+    from tritone.config import OPTIONS_BY_NAME, text_nice
+
+    assert text_nice("auto", "inline") == 19
+    assert text_nice("auto", "ensemble") == 10  # its flow control takes a long-unread chunk for a lost stream
+    assert text_nice("5", "inline") == text_nice("5", "ensemble") == 5
+    for bad in ("20", "-1", "high"):
+        with pytest.raises(ValueError, match="text_nice"):
+            OPTIONS_BY_NAME["text_nice"].validate(bad)

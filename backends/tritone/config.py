@@ -73,8 +73,19 @@ def _device_problem(value: str) -> str | None:
     return None if ok else "must be auto, cpu or cuda[:N]"
 
 
-def _nice_problem(value: int) -> str | None:
-    return None if 0 <= value <= 19 else "must be 0 to 19"
+def _nice_problem(value: str) -> str | None:
+    return None if value == "auto" or (value.isdigit() and int(value) <= 19) else "must be auto or 0 to 19"
+
+
+def text_nice(value: str, pipeline: str) -> int:
+    """--text-nice as a number for the served `pipeline` ("inline" or "ensemble"). auto: 19 where
+    the text work runs in the engine's process, 10 beside the ensemble's three processes, whose
+    flow control takes a chunk unread for a quarter of a second for a lost stream: 19 nicer,
+    tritonserver and postprocessing waited longer than that for a core under load, and vllm bench
+    serve at concurrency 128 on 2 cores lost 2,575 of 32,768 tokens to streams ended that way."""
+    if value != "auto":
+        return int(value)
+    return 19 if pipeline == "inline" else 10
 
 
 def _fraction_problem(value: float) -> str | None:
@@ -133,11 +144,16 @@ OPTIONS: tuple[Option, ...] = (
     # both made more tokens/s than the model on one with the other left to the text stages.
     Option("num_threads", int, 0, "CPU threads for the model (0: every core)", minimum=0),
     # Served on 2 cores, tritonserver and the engine's response sender 10 nicer than the forward's
-    # threads: 775 against 702 tok/s at concurrency 32 (eight alternated windows each), 866
-    # against 770 at 128 (docs/performance-log.md, 2026-12-07); either alone changed nothing.
-    Option("text_nice", int, 10, "where the engine runs on the CPU, how much nicer (0 to 19) the server's text "
+    # threads: 775 against 702 tok/s at concurrency 32 (eight alternated windows each); either alone
+    # changed nothing. 19 nicer (inline), the text work falls further behind under load and each
+    # response carries more tokens, while every response costs tritonserver, tritone-openai and the
+    # client the same CPU: vllm bench serve, servers restarted in turn, 690-727 against 604-615
+    # tok/s at 32 and 694-741 against 596-641 at 128, for inter-token gaps 2.5-3x as long
+    # (docs/performance-log.md, 2026-12-07).
+    Option("text_nice", str, "auto", "where the engine runs on the CPU, how much nicer (0 to 19) the server's text "
            "work runs than the engine's forward threads: tritonserver, tritone-openai, the text models' processes "
-           "and the engine's response sender (0: the same priority)", check=_nice_problem),
+           "and the engine's response sender (auto: 19 with the inline pipeline, 10 with the ensemble's three "
+           "processes; 0: the same priority)", check=_nice_problem),
     Option("compile", str, "auto", "torch.compile the torch forward on CPU (auto: where a C++ compiler is present "
            "and the compiled forward passes the start-up check); the first start compiles, later ones load the cache",
            choices=("auto", "on", "off")),

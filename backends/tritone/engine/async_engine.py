@@ -12,6 +12,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable
 
+from tritone.config import text_nice
 from tritone.engine.core import LLMEngine
 from tritone.executor.multiproc import WorkerDied
 from tritone.scheduling.request import FinishReason, RequestOutput, SamplingParams
@@ -276,7 +277,8 @@ class AsyncEngine:
         """On the CPU the sender's work (text, and a round trip to tritonserver per response)
         preempts the forward's threads, which then wait for each other; nicer, it runs in their
         gaps (config.text_nice)."""
-        nice = self.engine.config.text_nice
+        # The launcher renders a number; auto only where the engine was started some other way.
+        nice = text_nice(self.engine.config.text_nice, "ensemble")
         device = getattr(getattr(self.engine, "runner", None), "device", None)
         if nice and getattr(device, "type", None) == "cpu":
             tid = threading.get_native_id()

@@ -18,6 +18,7 @@ import urllib.request
 
 from tritone.cache import cache_root
 from tritone.checkpoints import resolve_model
+from tritone.config import text_nice
 from tritone.launcher.install import TritonInstall, find_malloc, find_tritonserver
 from tritone.launcher.options import (ADMIN_HEADER, RESTRICTED_APIS, build_parser, engine_on_cpu, resolve_pipeline,
                                      template_values)
@@ -54,8 +55,10 @@ class Server:
         # "ensemble" or "inline" (--pipeline, auto resolved once: a restart serves the same).
         self.pipeline = resolve_pipeline(args)
         # Where the engine computes on the CPU, the text work yields it the cores (--text-nice):
-        # that much nicer than the processes start (our own priority).
-        nicer = getattr(args, "text_nice", 0) if engine_on_cpu(args) else 0
+        # that much nicer than the processes start (our own priority). Auto resolved once, for
+        # the served pipeline, and rendered as a number for the engine's response sender.
+        args.text_nice = str(text_nice(getattr(args, "text_nice", "0"), self.pipeline))
+        nicer = int(args.text_nice) if engine_on_cpu(args) else 0
         self.text_priority = os.getpriority(os.PRIO_PROCESS, 0) + nicer if nicer else None
 
     def command(self, install: TritonInstall, repository: pathlib.Path) -> list[str]:
