@@ -36,7 +36,6 @@ def lower_priority(pid: int, nice: int) -> list[int]:
     and returns the threads it changed: Linux schedules threads, and a thread started later
     inherits its creator's, so running it again catches only the new ones that need it. Raising a
     nice value needs no privilege; a thread that has ended or cannot be changed is left."""
-    nice = min(19, nice)
     changed = []
     try:
         tids = [int(t.name) for t in pathlib.Path(f"/proc/{pid}/task").iterdir()]
@@ -44,9 +43,18 @@ def lower_priority(pid: int, nice: int) -> list[int]:
         return changed
     for tid in tids:
         try:
-            if os.getpriority(os.PRIO_PROCESS, tid) < nice:
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            if lower_thread_priority(tid, nice):
                 changed.append(tid)
         except OSError:
             continue
     return changed
+
+
+def lower_thread_priority(tid: int, nice: int) -> bool:
+    """Raises thread `tid`'s nice value to `nice` (at most 19) where it is lower; whether it
+    changed. OSError where the thread has ended or cannot be changed."""
+    nice = min(19, nice)
+    if os.getpriority(os.PRIO_PROCESS, tid) >= nice:
+        return False
+    os.setpriority(os.PRIO_PROCESS, tid, nice)
+    return True

@@ -15,6 +15,7 @@ from typing import Callable
 from tritone.config import text_nice
 from tritone.engine.core import LLMEngine
 from tritone.executor.multiproc import WorkerDied
+from tritone.processes import lower_thread_priority
 from tritone.scheduling.request import FinishReason, RequestOutput, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -283,7 +284,7 @@ class AsyncEngine:
         if nice and getattr(device, "type", None) == "cpu":
             tid = threading.get_native_id()
             try:
-                os.setpriority(os.PRIO_PROCESS, tid, min(19, os.getpriority(os.PRIO_PROCESS, tid) + nice))
+                lower_thread_priority(tid, os.getpriority(os.PRIO_PROCESS, tid) + nice)
             except OSError as exc:
                 logger.warning("could not lower the response sender's priority: %s", exc)
 
