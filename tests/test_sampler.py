@@ -4,6 +4,7 @@ Each row of a batch has its own parameters and its own tokens; Hugging Face's pr
 that row alone, with the prompt and the output as `input_ids`, as in `generate`.
 """
 
+import contextlib
 import math
 
 import pytest
@@ -249,6 +250,27 @@ def test_the_sampling_kernel_inverts_the_cumulative_distribution(monkeypatch):
     assert all(torch.isfinite(x[torch.arange(64), got])) and got[0] == 10 and got[1] == int(probs[1].nonzero().max())
     monkeypatch.setattr(kernels, "native_library", lambda: None)
     assert (kernels.sample_rows(x, inv_t, u) == want).float().mean() > 0.95
+
+
+def test_a_seeded_row_draws_the_same_beside_greedy_rows_sampled_rows_or_alone():
+    # An all-sampled batch goes to the kernel without a copy or an argmax, a mixed one through
+    # both; the kernel on the pool's threads (as after a native forward) or OpenMP's: the seeded
+    # row's tokens do not change with any of them, over a vocabulary with a tail past the spans.
+    vocab, steps = 49152 + 37, 6
+    logits = torch.randn(4, vocab, generator=torch.Generator().manual_seed(3)) * 2
+    logits[1:] = logits[0]  # the seeded row's logits wherever it sits
+
+    def draws(batch, row, threads):
+        reqs = [request(PROMPT, [], seed=11 if i == row else i, **p) for i, p in enumerate(batch)]
+        with threads():
+            return [Sampler()(logits[:len(reqs)].clone(), reqs)[0][row] for _ in range(steps)]
+
+    sampled = dict(temperature=0.9)
+    alone = draws([sampled], 0, kernels.pool_threads)
+    assert len(set(alone)) > 1  # really sampled, not one token
+    assert draws([{}, sampled, {}], 1, kernels.pool_threads) == alone
+    assert draws([sampled] * 4, 2, kernels.pool_threads) == alone
+    assert draws([sampled] * 4, 3, contextlib.nullcontext) == alone
 
 
 def test_the_top_p_kernel_keeps_what_the_sort_keeps():

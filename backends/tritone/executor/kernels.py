@@ -9,6 +9,7 @@ their torch paths.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
@@ -88,9 +89,11 @@ _SIGNATURES = {
     "gemm_bf16_amx": (None, [_P] * 4 + [_I] * 4),
     "gemm_bf16_amx_argmax": (_I, [_P] * 3 + [_I] * 4),
     "to_bf16_rows": (None, [_P] * 2 + [_I] * 3),
-    "sample_rows": (None, [_P, _I64, _I64] + [_P] * 3 + [_I]),
+    "sample_rows": (_I, [_P, _I64, _I64] + [_P] * 3 + [_I]),
     "top_p_rows": (_I, [_P, _I64, _I64, _P, _I]),
     "argmax_rows": (None, [_P, _I64, _I64, _P, _I]),
+    "pool_warm_begin": (None, []),
+    "pool_warm_end": (None, []),
     "llama_forward": (_I, [_P] * 5 + [_I]),
     "llama_scratch_floats": (ctypes.c_size_t, [_P, _I]),
     "llama_struct_sizes": (None, [_P]),
@@ -114,6 +117,23 @@ def native_library() -> ctypes.CDLL | None:
         if _lib is None:
             logger.warning("native CPU kernels unavailable, using torch's attention and GEMMs: %s", _missing)
     return _lib
+
+
+@contextlib.contextmanager
+def pool_threads():
+    """The kernels called inside run on the pool's own threads, as within a native forward pass
+    (csrc/pool.c), not on OpenMP's team: for the sampler's kernels between two native forward
+    passes, where the pool's workers are awake and OpenMP's, woken for one call, would spin on
+    through the next forward pass beside them (2-3% of a step's CPU at 128 sampled rows)."""
+    lib = native_library()
+    if lib is None:
+        yield
+        return
+    lib.pool_warm_begin()
+    try:
+        yield
+    finally:
+        lib.pool_warm_end()
 
 
 def require(what: str) -> ctypes.CDLL:
@@ -293,9 +313,9 @@ def sample_rows(x: torch.Tensor, inv_temperature: torch.Tensor, u: torch.Tensor)
     inv_temperature = inv_temperature.to(torch.float32).contiguous()
     u = u.to(torch.float64).contiguous()
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    if x.shape[0]:
-        lib.sample_rows(x.data_ptr(), x.shape[0], x.shape[1], inv_temperature.data_ptr(), u.data_ptr(),
-                        out.data_ptr(), torch.get_num_threads())
+    if x.shape[0] and lib.sample_rows(x.data_ptr(), x.shape[0], x.shape[1], inv_temperature.data_ptr(),
+                                      u.data_ptr(), out.data_ptr(), torch.get_num_threads()):
+        raise MemoryError(f"sample_rows: no memory for the span sums of {x.shape[0]} rows of {x.shape[1]}")
     return out
 
 

@@ -8,6 +8,7 @@ that are sampled and samples them on the device (sampler.py), returning their to
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -16,7 +17,8 @@ import numpy as np
 import torch
 
 from tritone.config import EngineConfig
-from tritone.executor import attention, compiler, cuda_graphs, gemm, hardware, llama, lora, native, tensor_parallel, verify
+from tritone.executor import (attention, compiler, cuda_graphs, gemm, hardware, kernels, llama, lora, native,
+                              tensor_parallel, verify)
 from tritone.executor.base import RunnerBase, fallback_refused, kv_head_shape, model_shard
 from tritone.executor.memory import num_kv_blocks, profile_kv_budget, staging_bytes
 from tritone.executor.kernels import argmax_rows
@@ -299,7 +301,8 @@ class ModelRunner(RunnerBase):
             handle = self.finish_step(None, None, 0)
             handle.scores = scores
             return handle
-        token_ids, log_probs, top = self.sampler.sample_step(out, rows, sampling, greedy)
+        with kernels.pool_threads() if self.native is not None else contextlib.nullcontext():
+            token_ids, log_probs, top = self.sampler.sample_step(out, rows, sampling, greedy)
         handle = self.finish_step(token_ids, log_probs, len(rows))
         handle.top, handle.scores = top, scores
         self.sampling.end_step(handle, rows)

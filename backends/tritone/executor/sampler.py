@@ -115,12 +115,16 @@ class Sampler:
         apply_logit_bias(logits, requests, to)
         apply_penalties(logits, requests, to)
         apply_bans(logits, requests, to)
-        token_ids = argmax_rows(logits)
         sampled_rows = [i for i, r in enumerate(requests) if not r.params.is_greedy]
-        if sampled_rows:
-            index = to(sampled_rows, logits.device, np.int64)
-            sampled = self._sample(logits.index_select(0, index), [requests[i] for i in sampled_rows])
-            token_ids[index] = sampled
+        if len(sampled_rows) == len(requests):
+            # No argmax to overwrite and no copy of the rows (at 128 rows of a 49,152-token
+            # vocabulary a 25 MB copy, new pages each step).
+            token_ids = self._sample(logits, requests)
+        else:
+            token_ids = argmax_rows(logits)
+            if sampled_rows:
+                index = to(sampled_rows, logits.device, np.int64)
+                token_ids[index] = self._sample(logits.index_select(0, index), [requests[i] for i in sampled_rows])
         log_probs = None
         if any(r.params.return_log_probs for r in requests):
             log_probs = torch.log_softmax(logits, dim=-1).gather(1, token_ids[:, None]).flatten()

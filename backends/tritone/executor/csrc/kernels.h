@@ -57,8 +57,8 @@ int paged_attention_amx_supported(int num_heads, int num_kv_heads, int head_dim,
 
 /* The sampler's row work (argmax.c, sample.c). */
 void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t *out, int num_threads);
-void sample_rows(const float *x, int64_t rows, int64_t n, const float *inv_temp, const double *u, int64_t *out,
-                 int num_threads);
+int sample_rows(const float *x, int64_t rows, int64_t n, const float *inv_temp, const double *u, int64_t *out,
+                int num_threads);
 int top_p_rows(float *x, int64_t rows, int64_t n, const float *top_p, int num_threads);
 
 /* The Llama family's forward pass (llama.c). */

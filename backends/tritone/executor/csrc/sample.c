@@ -6,7 +6,9 @@
  * 141 ms of noise a step. Here each row takes one
  * uniform u from its request's generator (drawn by the caller) and walks the inverse of its
  * distribution's cumulative sum: the first token whose running sum of exp(x - max) exceeds
- * u times the total. Two passes over the row, sums in double. Tokens at -inf (removed by
+ * u times the total. The weights are computed once, summed per span of 64 tokens (kept) and in
+ * double over the row; the walk then reads the span sums and recomputes the weights of the span
+ * it lands in only. Tokens at -inf (removed by
  * top-k, top-p, min-p or a ban) have probability 0 and are never drawn; NaN neither. */
 #include <math.h>
 #include <stdint.h>
@@ -20,10 +22,22 @@
 /* exp(v), or 0 below -87 (where exp would go denormal) and for -inf and NaN: a token's weight. */
 static inline float weight(float v) { return v >= -87.0f ? expf(v) : 0.0f; }
 
-/* The row's largest value, NaN ignored. */
+/* The largest value of x[0, n), NaN ignored (max_ps returns its second operand for a NaN). */
 static float row_max(const float *x, int64_t n) {
+    int64_t j = 0;
     float max = -INFINITY;
-    for (int64_t j = 0; j < n; j++) max = x[j] > max ? x[j] : max;
+#if defined(__AVX512F__)
+    __m512 m = _mm512_set1_ps(-INFINITY);
+    for (; j + 16 <= n; j += 16) m = _mm512_max_ps(_mm512_loadu_ps(x + j), m);
+    max = _mm512_reduce_max_ps(m);
+#elif defined(__AVX2__)
+    __m256 m = _mm256_set1_ps(-INFINITY);
+    for (; j + 8 <= n; j += 8) m = _mm256_max_ps(_mm256_loadu_ps(x + j), m);
+    float lanes[8];
+    _mm256_storeu_ps(lanes, m);
+    for (int i = 0; i < 8; i++) max = lanes[i] > max ? lanes[i] : max;
+#endif
+    for (; j < n; j++) max = x[j] > max ? x[j] : max;
     return max;
 }
 
@@ -41,46 +55,110 @@ static inline float block_weights(const float *x, float max, float inv_temp, flo
     return ((e[0] + e[4]) + (e[1] + e[5])) + ((e[2] + e[6]) + (e[3] + e[7]));
 }
 
-static int64_t sample_row(const float *x, int64_t n, float inv_temp, double u) {
+/* sample_row's unit: one weight sum is kept per span, so that the walk to the drawn token reads
+ * the sums and recomputes the weights of one span only (the sums pass is the one exp pass). */
+#define SPAN 64
+
+#if defined(__AVX2__) && defined(__FMA__)
+/* ((s0 + s4) + (s1 + s5)) + ((s2 + s6) + (s3 + s7)) */
+static inline float sum8(__m256 s) {
+    const __m128 t = _mm_add_ps(_mm256_castps256_ps128(s), _mm256_extractf128_ps(s, 1));
+    const __m128 u = _mm_add_ps(t, _mm_shuffle_ps(t, t, _MM_SHUFFLE(2, 3, 0, 1)));
+    return _mm_cvtss_f32(_mm_add_ss(u, _mm_movehl_ps(u, u)));
+}
+#endif
+
+/* The weights exp((x[i] - max) * inv_temp) of one span (into e, unless NULL) and their sum, in
+ * one order on every width: lane l of sixteen sums entries l, 16 + l, 32 + l, 48 + l in turn,
+ * lanes l and 8 + l are added, then sum8. -inf and NaN weigh nothing (exp clamps its input, so
+ * they are zeroed here). */
+static inline float span_weights(const float *x, float max, float inv_temp, float *e) {
+#if defined(__AVX512F__)
+    __m512 acc = _mm512_setzero_ps();
+    for (int k = 0; k < SPAN; k += 16) {
+        const __m512 v = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(x + k), _mm512_set1_ps(max)),
+                                       _mm512_set1_ps(inv_temp));
+        const __m512 w = _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(v, _mm512_set1_ps(-87.0f), _CMP_GE_OQ), exp16(v));
+        if (e) _mm512_storeu_ps(e + k, w);
+        acc = _mm512_add_ps(acc, w);
+    }
+    return sum8(_mm256_add_ps(_mm512_castps512_ps256(acc), _mm512_extractf32x8_ps(acc, 1)));
+#elif defined(__AVX2__) && defined(__FMA__)
+    __m256 lo = _mm256_setzero_ps(), hi = _mm256_setzero_ps();
+    for (int k = 0; k < SPAN; k += 16) {
+        __m256 w[2];
+        for (int h = 0; h < 2; h++) {
+            const __m256 v = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(x + k + 8 * h), _mm256_set1_ps(max)),
+                                           _mm256_set1_ps(inv_temp));
+            w[h] = _mm256_and_ps(exp8(v), _mm256_cmp_ps(v, _mm256_set1_ps(-87.0f), _CMP_GE_OQ));
+            if (e) _mm256_storeu_ps(e + k + 8 * h, w[h]);
+        }
+        lo = _mm256_add_ps(lo, w[0]);
+        hi = _mm256_add_ps(hi, w[1]);
+    }
+    return sum8(_mm256_add_ps(lo, hi));
+#else
+    float lanes[16] = {0}, own[SPAN];
+    if (!e) e = own;
+    for (int i = 0; i < SPAN; i++) {
+        e[i] = weight((x[i] - max) * inv_temp);
+        lanes[i % 16] += e[i];
+    }
+    float s[8];
+    for (int l = 0; l < 8; l++) s[l] = lanes[l] + lanes[8 + l];
+    return ((s[0] + s[4]) + (s[1] + s[5])) + ((s[2] + s[6]) + (s[3] + s[7]));
+#endif
+}
+
+/* sums: room for n / SPAN floats. */
+static int64_t sample_row(const float *x, int64_t n, float inv_temp, double u, float *sums) {
     const float max = row_max(x, n);
     if (max == -INFINITY) return 0; /* nothing drawable: the caller's bans left no token */
     if (max == INFINITY) /* an infinite logit takes all the mass */
         for (int64_t j = 0; j < n; j++)
             if (x[j] == INFINITY) return j;
-    const int64_t whole = n / BLOCK * BLOCK;
-    float e[BLOCK];
+    const int64_t spans = n / SPAN, whole = spans * SPAN;
     double total = 0.0;
-    for (int64_t j = 0; j < whole; j += BLOCK) total += block_weights(x + j, max, inv_temp, e);
-    double tail[BLOCK];
+    for (int64_t b = 0; b < spans; b++) total += sums[b] = span_weights(x + b * SPAN, max, inv_temp, NULL);
+    double tail[SPAN];
     for (int64_t j = whole; j < n; j++) {
         tail[j - whole] = weight((x[j] - max) * inv_temp);
         total += tail[j - whole];
     }
     const double target = u * total;
     double running = 0.0;
-    int64_t last = -1; /* the last token of nonzero weight passed, should rounding overshoot */
-    for (int64_t j = 0; j < whole; j += BLOCK) {
-        const float sum = block_weights(x + j, max, inv_temp, e);
-        if (sum > 0.0f) {
-            if (running + sum > target)
-                for (int i = 0; i < BLOCK; i++) {
-                    if (e[i] <= 0.0f) continue;
-                    running += e[i];
-                    last = j + i;
-                    if (running > target) return last;
-                }
-            else
-                running += sum;
-            for (int i = BLOCK - 1; i >= 0 && last < j; i--)
-                if (e[i] > 0.0f) last = j + i;
+    /* The last token of nonzero weight passed, should rounding overshoot: `last`, or where a span
+     * was passed whole by its sum, the last such token of span `pending`. */
+    int64_t last = -1, pending = -1;
+    float e[SPAN];
+    for (int64_t b = 0; b < spans; b++) {
+        const float sum = sums[b];
+        if (!(sum > 0.0f)) continue;
+        if (running + sum > target) {
+            span_weights(x + b * SPAN, max, inv_temp, e);
+            for (int i = 0; i < SPAN; i++) {
+                if (e[i] <= 0.0f) continue;
+                running += e[i];
+                last = b * SPAN + i;
+                if (running > target) return last;
+            }
+            pending = -1;
+        } else {
+            running += sum;
+            pending = b;
         }
     }
     for (int64_t j = whole; j < n; j++)
         if (tail[j - whole] > 0.0) {
             running += tail[j - whole];
-            last = j;
+            last = j, pending = -1;
             if (running > target) return last;
         }
+    if (pending >= 0) {
+        span_weights(x + pending * SPAN, max, inv_temp, e);
+        for (int i = SPAN - 1; i >= 0; i--)
+            if (e[i] > 0.0f) return pending * SPAN + i;
+    }
     return last < 0 ? 0 : last;
 }
 
@@ -90,19 +168,28 @@ typedef struct {
     const float *inv_temp;
     const double *u;
     int64_t *out;
+    float *heap_sums;
 } SampleRows;
 
 static void sample_one(void *job_, int64_t r) {
     const SampleRows *job = job_;
-    job->out[r] = sample_row(job->x + r * job->n, job->n, job->inv_temp[r], job->u[r]);
+    /* Vocabularies up to 256K tokens keep their span sums on the stack, larger ones in
+     * sample_rows' heap_sums. */
+    float stack_sums[4096];
+    float *sums = job->n / SPAN < 4096 ? stack_sums : job->heap_sums + (size_t)r * (job->n / SPAN + 1);
+    job->out[r] = sample_row(job->x + r * job->n, job->n, job->inv_temp[r], job->u[r], sums);
 }
 
 /* x: [rows, n] float32 logits, contiguous; inv_temp, u: [rows] (u uniform in [0, 1));
  * out: [rows] int64. */
-void sample_rows(const float *x, int64_t rows, int64_t n, const float *inv_temp, const double *u, int64_t *out,
-                 int num_threads) {
-    SampleRows job = {x, n, inv_temp, u, out};
+int sample_rows(const float *x, int64_t rows, int64_t n, const float *inv_temp, const double *u, int64_t *out,
+                int num_threads) {
+    SampleRows job = {x, n, inv_temp, u, out, NULL};
+    if (n / SPAN >= 4096 && !(job.heap_sums = malloc(sizeof(float) * (size_t)rows * (size_t)(n / SPAN + 1))))
+        return -1;
     pool_for(rows, 2, sample_one, &job, num_threads);
+    free(job.heap_sums);
+    return 0;
 }
 
 /* Floats in an order-preserving unsigned key: ascending keys, ascending values. */
