@@ -23,7 +23,7 @@ void pool_run(void (*fn)(void *ctx, int thread, int num_threads), void *ctx, int
  * alone where n < min_parallel. */
 void pool_for(int64_t n, int64_t min_parallel, void (*body)(void *ctx, int64_t i), void *ctx, int num_threads);
 
-/* Around a native forward pass, whose sections then run on the pool. */
+/* Around a native forward pass (or the sampling after one), whose sections then run on the pool. */
 void pool_warm_begin(void);
 void pool_warm_end(void);
 

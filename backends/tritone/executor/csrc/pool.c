@@ -13,8 +13,8 @@
  * sees its next section without a wake-up. A worker sleeps (futex) only after a couple of
  * milliseconds with no work, so that an idle server uses no CPU.
  *
- * The pool runs the sections of a native forward pass only (pool_warm_begin / pool_warm_end);
- * other calls go to OpenMP's team. Where the kernels run one GEMM at a time between torch's own
+ * The pool runs the sections of a native forward pass, and the sampler's kernels right after one
+ * (pool_warm_begin / pool_warm_end: kernels.pool_threads); other calls go to OpenMP's team. Where the kernels run one GEMM at a time between torch's own
  * ops (the torch forward path), workers of the pool's own would either take the cores from
  * torch's OpenMP threads (yielding) or pay a wake-up per GEMM (sleeping). */
 #define _GNU_SOURCE
@@ -52,7 +52,8 @@ static void *job_ctx;
 static int job_threads;
 /* Workers yet to finish the current job (every worker, part of it or not, counts down once). */
 static int pending;
-/* Native forward passes under way (pool_warm_begin): the pool runs only their sections. */
+/* Native forward passes (or the sampling after one) under way (pool_warm_begin): the pool runs
+ * only their sections. */
 static int warm_depth;
 
 static inline void relax(void) {
@@ -134,7 +135,7 @@ static int start_workers(int wanted) {
 void pool_run(pool_fn fn, void *ctx, int num_threads) {
     if (num_threads > 1 && !__atomic_load_n(&warm_depth, __ATOMIC_RELAXED)) {
         /* Outside a native forward pass the kernels run one at a time between torch's own ops
-         * (the torch forward path, the sampler): there torch's OpenMP team, which those ops keep
+         * (the torch forward path, its sampler): there torch's OpenMP team, which those ops keep
          * awake, runs them; a second set of threads only took its cores (above). */
 #pragma omp parallel num_threads(num_threads)
         fn(ctx, omp_get_thread_num(), omp_get_num_threads());
