@@ -50,27 +50,24 @@ static void rms_norm(const float *x, const float *weight, float *out, int n, flo
     for (int i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
 }
 
+/* silu(g) * u for LANES entries at a time while they last. One body for both widths (P: the
+ * intrinsics' prefix, EXP: vexp.h's exp of that width, which gives the other's value lane for
+ * lane; the division and product are exact), so that the activations do not depend on which runs. */
+#define SILU_MUL_LANES(V, P, LANES, EXP)                                                              \
+    for (; j + LANES <= n; j += LANES) {                                                              \
+        const V g = P##_loadu_ps(gate_up + j);                                                        \
+        const V s = P##_div_ps(g, P##_add_ps(P##_set1_ps(1.0f), EXP(P##_sub_ps(P##_setzero_ps(), g)))); \
+        P##_storeu_ps(out + j, P##_mul_ps(s, P##_loadu_ps(gate_up + n + j)));                         \
+    }
+
 /* out[j] = silu(gate_up[j]) * gate_up[n + j] for j < n. */
 static void silu_mul(const float *gate_up, float *out, int n) {
     int j = 0;
 #if defined(__AVX512F__)
-    /* exp16 gives exp8's value lane for lane (vexp.h): the same activations on either width. */
-    const __m512 one16 = _mm512_set1_ps(1.0f);
-    for (; j + 16 <= n; j += 16) {
-        const __m512 g = _mm512_loadu_ps(gate_up + j);
-        const __m512 e = exp16(_mm512_sub_ps(_mm512_setzero_ps(), g));
-        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(one16, e));
-        _mm512_storeu_ps(out + j, _mm512_mul_ps(s, _mm512_loadu_ps(gate_up + n + j)));
-    }
+    SILU_MUL_LANES(__m512, _mm512, 16, exp16)
 #endif
 #if defined(__AVX2__) && defined(__FMA__)
-    const __m256 one = _mm256_set1_ps(1.0f);
-    for (; j + 8 <= n; j += 8) {
-        const __m256 g = _mm256_loadu_ps(gate_up + j);
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_setzero_ps(), g));
-        const __m256 s = _mm256_div_ps(g, _mm256_add_ps(one, e));
-        _mm256_storeu_ps(out + j, _mm256_mul_ps(s, _mm256_loadu_ps(gate_up + n + j)));
-    }
+    SILU_MUL_LANES(__m256, _mm256, 8, exp8)
 #endif
     for (; j < n; j++) out[j] = gate_up[j] / (1.0f + expf(-gate_up[j])) * gate_up[n + j];
 }
