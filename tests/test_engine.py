@@ -196,7 +196,6 @@ def test_merged_outputs_keep_each_requests_tokens_in_order():
     assert (b.new_token_ids, b.num_output_tokens, b.finished) == ([7, 8, 9], 3, False)
 
 
-
 def test_merged_outputs_keep_every_tokens_top_log_probs_and_the_prompts_scores():
     from tritone.engine.async_engine import merge_outputs
     from tritone.scheduling.request import RequestOutput, TopLogProbs
@@ -211,6 +210,7 @@ def test_merged_outputs_keep_every_tokens_top_log_probs_and_the_prompts_scores()
     assert merged.prompt_top_log_probs == [top(9)]
     [plain] = merge_outputs([RequestOutput("b", [1], [0.0], 3, 1, False), RequestOutput("b", [2], [0.0], 3, 2, False)])
     assert plain.new_top_log_probs is None and plain.prompt_top_log_probs is None
+
 
 class Collector:
     """An AsyncEngine's on_output: keeps every output, by request, and can fail chosen sends."""

@@ -14,9 +14,10 @@
  * milliseconds with no work, so that an idle server uses no CPU.
  *
  * The pool runs the sections of a native forward pass, and the sampler's kernels right after one
- * (pool_warm_begin / pool_warm_end: kernels.pool_threads); other calls go to OpenMP's team. Where the kernels run one GEMM at a time between torch's own
- * ops (the torch forward path), workers of the pool's own would either take the cores from
- * torch's OpenMP threads (yielding) or pay a wake-up per GEMM (sleeping). */
+ * (pool_warm_begin / pool_warm_end: kernels.pool_threads); other calls go to OpenMP's team.
+ * Where the kernels run one GEMM at a time between torch's own ops (the torch forward path),
+ * workers of the pool's own would either take the cores from torch's OpenMP threads (yielding)
+ * or pay a wake-up per GEMM (sleeping). */
 #define _GNU_SOURCE
 #include "kernels.h"
 

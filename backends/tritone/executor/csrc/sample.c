@@ -162,6 +162,10 @@ static int64_t sample_row(const float *x, int64_t n, float inv_temp, double u, f
     return last < 0 ? 0 : last;
 }
 
+/* Span sums a row keeps on its thread's stack: vocabularies up to 256K tokens; larger ones use
+ * sample_rows' heap_sums. */
+#define STACK_SPANS 4096
+
 typedef struct {
     const float *x;
     int64_t n;
@@ -173,10 +177,8 @@ typedef struct {
 
 static void sample_one(void *job_, int64_t r) {
     const SampleRows *job = job_;
-    /* Vocabularies up to 256K tokens keep their span sums on the stack, larger ones in
-     * sample_rows' heap_sums. */
-    float stack_sums[4096];
-    float *sums = job->n / SPAN < 4096 ? stack_sums : job->heap_sums + (size_t)r * (job->n / SPAN + 1);
+    float stack_sums[STACK_SPANS];
+    float *sums = job->n / SPAN < STACK_SPANS ? stack_sums : job->heap_sums + (size_t)r * (job->n / SPAN + 1);
     job->out[r] = sample_row(job->x + r * job->n, job->n, job->inv_temp[r], job->u[r], sums);
 }
 
@@ -185,7 +187,7 @@ static void sample_one(void *job_, int64_t r) {
 int sample_rows(const float *x, int64_t rows, int64_t n, const float *inv_temp, const double *u, int64_t *out,
                 int num_threads) {
     SampleRows job = {x, n, inv_temp, u, out, NULL};
-    if (n / SPAN >= 4096 && !(job.heap_sums = malloc(sizeof(float) * (size_t)rows * (size_t)(n / SPAN + 1))))
+    if (n / SPAN >= STACK_SPANS && !(job.heap_sums = malloc(sizeof(float) * (size_t)rows * (size_t)(n / SPAN + 1))))
         return -1;
     pool_for(rows, 2, sample_one, &job, num_threads);
     free(job.heap_sums);
