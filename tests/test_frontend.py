@@ -11,6 +11,7 @@ from tritone.scheduling.request import FinishReason, RequestOutput, SamplingPara
 from tritone.serving.flow import FlowBoard
 from tritone.serving.frontend import EngineFrontend
 from tritone.serving.inputs import LLMRequest
+from tritone.serving.responses import ResponseState
 from tritone.text import Detokenizer
 
 FINAL = 1
@@ -75,6 +76,30 @@ def test_a_final_response_that_fails_to_send_is_followed_by_one_error_response(d
     frontend.send(RequestOutput(request_id, [], [], 2, 1, True, FinishReason.ERROR, error="sending a response failed"))
     ((response, flags),) = sender.sent
     assert flags == FINAL and "sending a response failed" in response.error
+    assert frontend.is_idle
+
+
+def test_a_stream_of_the_ensemble_fails_in_band_after_its_chunks_and_a_direct_one_with_an_error(detokenizer,
+                                                                                                  tmp_path):
+    # Triton 2.51's ensemble never releases a request whose llm step fails while postprocessing
+    # holds one of its chunks: the ensemble's streams send their error through postprocessing.
+    frontend = frontend_of(detokenizer, flow=FlowBoard(tmp_path / "flow"))
+    ensemble, direct = FakeSender(), FakeSender()
+    frontend.submit(ensemble, request(stream=True, flow_control=True, max_tokens=8))
+    frontend.submit(direct, request(stream=True, max_tokens=8))
+    for request_id in ("0", "1"):
+        frontend.send(RequestOutput(request_id, [42], [0.0], 2, 1, False, None))
+        frontend.send(RequestOutput(request_id, [], [], 2, 1, True, FinishReason.ERROR,
+                                    error="model worker 0 of engine 0 failed"))
+    (chunk, flags), (failed, final) = ensemble.sent
+    tensors = dict(failed.tensors)
+    assert flags == 0 and dict(chunk.tensors)["TOKEN_IDS"].tolist() == [[42]]
+    assert final == FINAL and failed.error is None and tensors["TOKEN_IDS"].size == 0
+    assert tensors["ERROR"].tolist() == [[b"model worker 0 of engine 0 failed"]]
+    assert ResponseState.read(tensors["STATE"]).finish_reason == "error"
+    assert ResponseState.read(tensors["STATE"]).is_final
+    (_, _), (response, final) = direct.sent
+    assert final == FINAL and response.error == "model worker 0 of engine 0 failed"
     assert frontend.is_idle
 
 

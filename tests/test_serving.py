@@ -11,6 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from tritone.scheduling.request import FinishReason, RequestOutput
+from tritone.serving.flow import FlowBoard, new_key
 from tritone.serving.inputs import parse_llm_request, parse_messages, stream_interval, text_list
 from tritone.serving.lifecycle import Drain
 from tritone.serving.processing import Postprocessor, Preprocessor
@@ -142,6 +143,22 @@ def test_log_probs_only_when_asked(detokenizer):
     assert "LOG_PROBS" not in final
     result = Postprocessor(detokenizer)([final.get])[0]
     assert "OUT_CUM_LOG_PROBS" not in result and result["OUT_FINISH_REASON"][0] == b"length"
+
+
+def test_a_failed_stream_s_last_chunk_becomes_its_error_and_is_still_marked(detokenizer, tmp_path):
+    board = FlowBoard(tmp_path / "flow")
+    key = new_key(5)
+    board.register(key)
+    stream = ResponseStream(parse_llm_request(getter(input_ids=[1, 2], max_tokens=[8], stream=[True])), detokenizer,
+                            key=key, flow=board)
+    chunk = stream.on_output(output([10], n_out=1))
+    failed = stream.failed("model worker 0 of engine 0 failed while running a step")
+    results = Postprocessor(detokenizer, board)([chunk.get, failed.get])
+    assert results[0]["OUT_NUM_OUTPUT_TOKENS"].tolist() == [1]
+    assert isinstance(results[1], RuntimeError) and str(results[1]) == \
+        "model worker 0 of engine 0 failed while running a step"
+    assert board.is_received(key, state(failed).chunk_seq)
+    assert stream.on_output(output([11], n_out=2)) is None  # nothing after the final chunk
 
 
 def test_the_prompt_count_comes_first_and_last_and_the_finish_reason_last(detokenizer):

@@ -130,10 +130,11 @@ class EngineFrontend:
             return
         stream, sender, _, sequences = entry
         message = error_message(output)
-        if message is not None:
+        if message is not None and not stream.request.flow_control:
             response = self._error(message)
         else:
-            tensors = stream.on_output(output)
+            # The ensemble's streams fail in band, through postprocessing (ResponseStream.failed).
+            tensors = stream.on_output(output) if message is None else stream.failed(message)
             if tensors is None:
                 return
             response = self.pb.InferenceResponse([self.pb.Tensor(n, a[None]) for n, a in self.outputs(tensors).items()])

@@ -143,7 +143,7 @@ class Postprocessor:
 
         return cls(Detokenizer(load_tokenizer(params["model_dir"])), flow)
 
-    def __call__(self, getters: list[Getter]) -> list["dict[str, np.ndarray] | ValueError"]:
+    def __call__(self, getters: list[Getter]) -> list["dict[str, np.ndarray] | Exception"]:
         # A public model: a malformed request (from a direct caller) fails alone.
         raw = [get("STATE") for get in getters]
         states = [_read_state(r) for r in raw]
@@ -158,6 +158,9 @@ class Postprocessor:
                 self.flow.done()
 
     def _checked(self, get: Getter, state: ResponseState, raw: np.ndarray):
+        error = get("ERROR")
+        if error is not None:  # the stream failed in the engine (ResponseStream.failed)
+            return RuntimeError(_text(error))
         try:
             return self._one(get, state, ResponseState.context_ids(raw))
         except Exception as exc:
@@ -232,6 +235,11 @@ class Postprocessor:
                                       skip_special_tokens=state.skip_special_tokens)
         # A stop word begins inside this chunk's text: it ends right before it.
         return text[:max(0, len(text) - state.num_dropped_chars)]
+
+
+def _text(tensor: np.ndarray) -> str:
+    value = tensor.reshape(-1)[0] if tensor.size else b""
+    return value.decode("utf-8", "replace") if isinstance(value, bytes) else str(value)
 
 
 def _read_state(raw: np.ndarray | None) -> "ResponseState | ValueError":

@@ -124,6 +124,19 @@ class ResponseStream:
             return None
         return self._response(end, final, reason, num_dropped)
 
+    def failed(self, message: str) -> dict[str, np.ndarray]:
+        """The final chunk of a stream of the ensemble that failed: no new tokens, finish reason
+        "error", and `message` in ERROR, which postprocessing turns into the error response.
+
+        Triton 2.51's ensemble stops counting its steps' final responses once one step has
+        failed, so an error sent by the llm step while postprocessing still holds one of the
+        stream's chunks leaves the ensemble request in flight for good, and the server can never
+        exit cleanly. Sent as a chunk, the error follows the stream's other chunks through
+        postprocessing (preserve_ordering), and fails the ensemble only after the last of them."""
+        tensors = self._response(self.num_sent, True, FinishReason.ERROR, 0)
+        tensors["ERROR"] = np.array([message.encode("utf-8", "replace")], dtype=np.object_)
+        return tensors
+
     def is_held(self) -> bool:
         """Whether the last chunk is still on its way to postprocessing."""
         watch = self.in_flight
