@@ -10,6 +10,7 @@ import copy
 import functools
 import json
 import logging
+import time
 
 import grpc
 import numpy as np
@@ -149,6 +150,8 @@ class FakeStream:
 
 
 class FakeBackend:
+    sends_aborts = True
+
     def __init__(self, responses=None, fail: Exception | None = None):
         self.responses = responses if responses is not None else [(chunk_result("Paris.", "stop"), None)]
         self.fail = fail
@@ -462,6 +465,72 @@ def test_streamed_tool_calls_finish_for_tool_calls():
     (calls,) = [d["tool_calls"] for d in deltas if "tool_calls" in d]
     assert [c["function"] for c in calls] == [{"name": "get_weather", "arguments": '{"city": "Oslo"}'}]
     assert [e["choices"][0]["finish_reason"] for e in events if e["choices"][0]["finish_reason"]] == ["tool_calls"]
+
+
+class SlowStream(FakeStream):
+    """A stream whose responses come 20 ms apart, and that knows whether it was cancelled."""
+
+    def __init__(self, responses):
+        super().__init__(responses)
+        self.cancelled = False
+
+    async def __anext__(self):
+        await asyncio.sleep(0.02)
+        return await super().__anext__()
+
+    def cancel(self):
+        self.cancelled = True
+
+
+@pytest.mark.parametrize("stream", [True, False])
+@pytest.mark.parametrize("sends_aborts", [True, False])
+def test_a_client_that_leaves_has_the_engine_end_its_request_which_is_read_to_its_end(stream, sends_aborts):
+    # Triton 2.51 counts a cancelled ensemble request in flight for good: through the ensemble
+    # the engine is told to abort, and the stream is read on to its end (the engine's final
+    # response); only llm_inline, which has no abort, sees its stream cancelled.
+    streams = []
+
+    class Backend(FakeBackend):
+        def generate(self, request_id, tensors, guide_field=None, echo=None):
+            streams.append(SlowStream([(chunk_result(f"{i} ", ""), None) for i in range(30)]
+                                      + [(chunk_result("", "cancelled"), None)]))
+            return Generation(self, request_id, streams[-1], guide_field, echo)
+
+    backend = Backend()
+    backend.sends_aborts = sends_aborts
+    app, _ = served(backend)
+    body = json.dumps(chat(stream=stream, max_tokens=100)).encode()
+    messages = iter([{"type": "http.request", "body": body, "more_body": False}])
+    leaves_at = []
+
+    async def receive():  # the client leaves 50 ms after its request, mid-stream
+        message = next(messages, None)
+        if message is not None:
+            leaves_at.append(time.monotonic() + 0.05)
+            return message
+        if time.monotonic() < leaves_at[0]:  # Starlette's is_disconnected() gives up at once
+            await asyncio.sleep(leaves_at[0] - time.monotonic())
+        return {"type": "http.disconnect"}
+
+    async def send(message):
+        pass
+
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST",
+             "scheme": "http", "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions",
+             "query_string": b"", "root_path": "", "client": ("127.0.0.1", 50000), "server": ("127.0.0.1", 9000),
+             "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]}
+
+    async def run():
+        try:
+            await asyncio.wait_for(app(scope, receive, send), 5)
+        except Exception:
+            pass
+    asyncio.run(run())
+    (read,) = streams
+    if sends_aborts:
+        assert len(backend.aborted) == 1 and not read.cancelled and read.responses == []
+    else:
+        assert read.cancelled and read.responses
 
 
 # ---- the control key on aborts ----

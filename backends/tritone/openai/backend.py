@@ -1,12 +1,12 @@
 """The front end's side of tritonserver: the `ensemble` over gRPC streaming on one shared channel.
 
 Every request goes out with its own Triton request id, the OpenAI id of its answer. When a client
-goes away before the end, the front end cancels the gRPC stream and also tells the `llm` model
-directly to abort that id (an ABORT_REQUEST_ID control request): Triton 2.51 does not pass a
-cancellation into the ensemble's running llm step, and the direct word reaches a request still
-waiting for the engine or in a long prefill, which has no responses for postprocessing to notice
-the cancellation by. The llm model obeys a control request only with the server's secret
-(CONTROL_KEY).
+goes away before the end, the front end tells the `llm` model directly to abort that id (an
+ABORT_REQUEST_ID control request) and reads the stream on to its end (Generation.abort): Triton
+2.51 does not pass a cancellation into the ensemble's running llm step, the direct word reaches a
+request still waiting for the engine or in a long prefill, and a cancelled ensemble request would
+stay counted in flight. Only where that fails is the gRPC stream cancelled (Generation.close). The
+llm model obeys a control request only with the server's secret (CONTROL_KEY).
 """
 
 from __future__ import annotations
@@ -156,6 +156,19 @@ class Generation:
     async def read_to_end(self) -> None:
         async for _ in self:
             pass
+
+    def abort(self) -> bool:
+        """Its client left: tells the engine to end the request, whose last responses the caller
+        then reads to the end of the stream, rather than cancelling the stream (Triton 2.51 counts
+        a cancelled ensemble request in flight for good: its next postprocessing step is refused
+        while the llm step still runs). False where only a cancelled stream reaches the engine
+        (llm_inline): close() does that."""
+        if self.is_answered:
+            return True
+        if not self.backend.sends_aborts:
+            return False
+        self.backend._abort_later(self.request_id)
+        return True
 
     def close(self) -> None:
         if not self.is_answered:

@@ -35,8 +35,38 @@ from tritone.text.reasoning import ReasoningStream
 logger = logging.getLogger("tritone.openai")
 
 
+# How long the rest of a request whose client left may take to end once the engine has been told
+# to abort it (Generation.abort), before its gRPC stream is cancelled instead.
+DRAIN_SECONDS = 10.0
+
+
 class ClientGone(Exception):
     """The client disconnected before its answer was ready."""
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events of `generations`. Where the client leaves, Starlette's own response
+    cancels the task that writes the events, and with it the gRPC read under way, which grpc.aio
+    answers by cancelling the call; this one has the engine end the generations and lets the
+    events run to their end (uvicorn drops what is sent to a client that has gone), cancelling
+    only where that fails or takes longer than DRAIN_SECONDS."""
+
+    def __init__(self, content, generations: list[Generation]):
+        super().__init__(content, media_type="text/event-stream")
+        self.generations = generations
+
+    async def __call__(self, scope, receive, send):
+        streaming = asyncio.ensure_future(self.stream_response(send))
+        listening = asyncio.ensure_future(self.listen_for_disconnect(receive))
+        try:
+            await asyncio.wait({streaming, listening}, return_when=asyncio.FIRST_COMPLETED)
+            if not streaming.done() and all([g.abort() for g in self.generations]):
+                await asyncio.wait({streaming}, timeout=DRAIN_SECONDS)
+        finally:
+            listening.cancel()
+            streaming.cancel()  # still running: the events' generator closes its generations
+        if not streaming.cancelled():
+            streaming.result()
 
 
 class OpenAIServer:
@@ -130,16 +160,15 @@ class OpenAIServer:
         chunks = self.backend.generate(fmt.id, choice_inputs[0], guide_field, _echo(body, prompts[0]))
         try:
             if not body.stream:
-                return fmt.whole(await _unless_gone(request, chunks.whole()))
+                return fmt.whole(await _unless_gone(request, chunks.whole(), [chunks]))
             # The first response decides the status: an error before any token is an HTTP error.
-            first = await _unless_gone(request, chunks.__anext__())
+            first = await _unless_gone(request, chunks.__anext__(), [chunks])
         except StopAsyncIteration:
             raise RequestError("the server ended the stream without an answer", status=500, type="server_error")
         except BaseException:
             chunks.close()
             raise
-        return StreamingResponse(_events(fmt, first, chunks, body.include_usage, body.continuous_usage),
-                                 media_type="text/event-stream")
+        return EventStream(_events(fmt, first, chunks, body.include_usage, body.continuous_usage), [chunks])
 
     def _inputs(self, body, fmt: ResponseFormat, calls_tools: bool, guide, prompt: str | None, index: int,
                 lora_id: int = 0) -> dict:
@@ -162,13 +191,12 @@ class OpenAIServer:
         generations = [self.backend.generate(f"{fmt.id}-{i}", inputs, guide_field, echo)
                        for i, (inputs, echo) in enumerate(zip(choice_inputs, echoes))]
         if not body.stream:
-            answers = await _unless_gone(request, choices.wholes(generations))
+            answers = await _unless_gone(request, choices.wholes(generations), generations)
             usage = choices.total(answers, body.num_seqs)
             return fmt.wholes(choices.best(answers, body.num_seqs, body.n), usage)
-        firsts = await _unless_gone(request, choices.firsts(generations))
-        return StreamingResponse(choices.events(fmt, firsts, generations, body.include_usage, body.continuous_usage,
-                                                body.num_seqs),
-                                 media_type="text/event-stream")
+        firsts = await _unless_gone(request, choices.firsts(generations), generations)
+        return EventStream(choices.events(fmt, firsts, generations, body.include_usage, body.continuous_usage,
+                                          body.num_seqs), generations)
 
 
 def _echo(body, prompt: str | list[int] | None) -> Echo | None:
@@ -180,8 +208,8 @@ def _echo(body, prompt: str | list[int] | None) -> Echo | None:
 
 async def _events(fmt: ResponseFormat, first: Chunk, chunks: Generation, include_usage: bool,
                   continuous_usage: bool):
-    # On a client's disconnect Starlette cancels this generator's task: close() then cancels the
-    # gRPC stream and aborts the request in the engine.
+    # On a client's disconnect the engine ends the request and this runs on to the end (EventStream);
+    # if that fails, this generator's task is cancelled and close() cancels the gRPC stream.
     last = first
     tools = ToolStream(fmt.tool_parser) if fmt.tool_parser else None
     reasoning = ReasoningStream(fmt.reasoning_parser) if fmt.reasoning_parser else None
@@ -232,10 +260,12 @@ def _reasoning_piece(stream: ReasoningStream, chunk: Chunk) -> tuple[str, Chunk]
     return thought, dataclasses.replace(chunk, text=text)
 
 
-async def _unless_gone(request: Request, awaitable, poll_seconds: float = 0.2):
-    """The awaitable's result, unless the client disconnects first (ClientGone). Starlette
-    notices a disconnect by itself only once a streamed body is being sent; before that (a
-    request waiting in the engine's queue, a long prefill, a whole answer) it is looked for here."""
+async def _unless_gone(request: Request, awaitable, generations: list[Generation], poll_seconds: float = 0.2):
+    """The awaitable's result (a read of `generations`), unless the client disconnects first
+    (ClientGone): then the engine ends the generations, which are read to their ends, as
+    EventStream does. Starlette notices a disconnect by itself only once a streamed body is being
+    sent; before that (a request waiting in the engine's queue, a long prefill, a whole answer) it
+    is looked for here."""
     task = asyncio.ensure_future(awaitable)
     try:
         while True:
@@ -243,9 +273,24 @@ async def _unless_gone(request: Request, awaitable, poll_seconds: float = 0.2):
             if done:
                 return task.result()
             if await request.is_disconnected():
+                if all([g.abort() for g in generations]):
+                    drain = asyncio.ensure_future(_read_to_ends(task, generations))
+                    if not (await asyncio.wait({drain}, timeout=DRAIN_SECONDS))[0]:
+                        drain.cancel()
                 raise ClientGone()
     finally:
-        task.cancel()
+        task.cancel()  # still reading: the caller's close() cancels the gRPC stream
+
+
+async def _read_to_ends(task: asyncio.Future, generations: list[Generation]) -> None:
+    await asyncio.wait({task})
+    if not task.cancelled():
+        task.exception()  # retrieved: what the client would have been told goes nowhere now
+    for generation in generations:
+        try:
+            await generation.read_to_end()
+        except Exception:
+            pass
 
 
 def _error_handlers(app: FastAPI) -> None:
