@@ -430,6 +430,45 @@ def test_native_bf16_forward_is_close_to_hugging_face_bf16(tiny):
     assert_greedy_close(hf, ids, got)
 
 
+class _BothWays:
+    """The runner's native forward, each call run with the row work in passes of its own and then
+    fused into the kernels (NativeForward's `fused_row_work`), the two results compared bit for bit."""
+
+    def __init__(self, forward):
+        self.forward, self.calls = forward, 0
+
+    def __call__(self, *args):
+        results = []
+        for fused in (0, 1):
+            self.forward.model.fused_row_work = fused
+            results.append(self.forward(*args))
+        assert torch.equal(results[0], results[1]), f"call {self.calls}"
+        self.calls += 1
+        return results[1]
+
+
+@pytest.mark.parametrize("dtype", ["float32", pytest.param("bfloat16", marks=needs_bf16_gemm)])
+@pytest.mark.parametrize("intermediate", [128, 72])
+def test_native_row_work_fused_into_the_kernels_gives_the_same_bits(tmp_path, dtype, intermediate):
+    # SiLU(gate) * up applied by the gate_up GEMM as it goes, and the attention's output rounded
+    # to bf16 by the attention: the same logits, bit for bit, as those steps in passes of their own,
+    # over prompt chunks, decodes and several requests a step. An intermediate size of 72 is not
+    # whole panels of the GEMM (16 or 32 columns), so the gate_up GEMM takes the passes there.
+    torch.manual_seed(0)
+    config = LlamaConfig(**{**COMMON, "intermediate_size": intermediate})
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path)
+    engine = LLMEngine(EngineConfig(model=str(tmp_path), dtype=dtype, kv_cache_bytes=8 << 20, block_size=4,
+                                    max_num_batched_tokens=24, forward="native"))
+    forward = engine.runner.native
+    assert forward.model.fused_row_work == 1  # the default
+    both = engine.runner.native = _BothWays(forward)
+    for i, ids in enumerate(prompts()):
+        engine.add_request(str(i), ids, SamplingParams(max_tokens=6, end_id=-1, return_log_probs=i == 0))
+    while engine.has_unfinished_requests():
+        engine.step()
+    assert both.calls > 5
+
+
 _NO_COMPILER = """
 import json, sys, torch
 from tritone.config import EngineConfig

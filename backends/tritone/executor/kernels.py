@@ -78,7 +78,7 @@ _P, _I, _I64 = ctypes.c_void_p, ctypes.c_int, ctypes.c_int64
 # llama_forward(model, batch, scratch, logits, greedy_ids, threads) and the other llama_* take
 # the structures of native.py.
 _SIGNATURES = {
-    "paged_attention": (_I, [_P] * 7 + [_I] * 6 + [ctypes.c_float, _I, _I, _I]),
+    "paged_attention": (_I, [_P] * 8 + [_I] * 6 + [ctypes.c_float, _I, _I, _I]),
     "paged_attention_amx_supported": (_I, [_I] * 4),
     "gemm_f32": (None, [_P] * 4 + [_I] * 4),
     "gemm_f32_argmax": (_I, [_P] * 3 + [_I] * 4),
@@ -163,7 +163,7 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     num_heads, head_dim = q.shape[1], q.shape[2]
     rc = native_library().paged_attention(
         q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), block_tables.data_ptr(), query_start.data_ptr(),
-        seq_lens.data_ptr(), out.data_ptr(), seq_lens.shape[0], num_heads, k_cache.shape[1], head_dim,
+        seq_lens.data_ptr(), out.data_ptr(), None, seq_lens.shape[0], num_heads, k_cache.shape[1], head_dim,
         block_size, block_tables.shape[1], scale, int(k_cache.dtype == torch.bfloat16), int(amx),
         torch.get_num_threads())
     if rc == -2:

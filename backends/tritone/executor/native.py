@@ -51,7 +51,7 @@ class _Model(ctypes.Structure):
         ("all_reduce", _ALL_REDUCE), ("all_reduce_ctx", ctypes.c_void_p), ("eps", ctypes.c_float), ("scale", ctypes.c_float)] + [
         (name, ctypes.c_void_p) for name in ("embed", "rope", "final_norm", "lm_head")] + [
         ("layers", ctypes.POINTER(_Layer)), ("lora_slots", ctypes.c_int), ("lora_cols", ctypes.c_int),
-        ("attention_amx", ctypes.c_int)]
+        ("attention_amx", ctypes.c_int), ("fused_row_work", ctypes.c_int)]
 
 
 class _Batch(ctypes.Structure):
@@ -125,10 +125,13 @@ class NativeForward:
     """Runs `model` over a packed batch with one native call; the caches are the runner's."""
 
     def __init__(self, model: "llama.LlamaForCausalLM", kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-                 block_size: int, group=None, lora_slots: int = 0, attention_amx: bool = False):
+                 block_size: int, group=None, lora_slots: int = 0, attention_amx: bool = False,
+                 fused_row_work: bool = True):
         """`group`: the tensor-parallel ranks' tensor_parallel.Group, whose all-reduce the model's is;
         `lora_slots`: the adapter slots of the linears' stacked LoRA weights (lora.py), 0 for none;
-        `attention_amx`: attention on AMX tiles (kernels.paged_attention's `amx`)."""
+        `attention_amx`: attention on AMX tiles (kernels.paged_attention's `amx`); `fused_row_work`:
+        SiLU(gate) * up applied by the gate_up GEMM and the attention's output rounded by the
+        attention, as they write (the same bits as in passes of their own: csrc/kernels.h)."""
         lora_cols = 0
         self.lib = kernels.native_library()
         spec = model.spec
@@ -186,7 +189,7 @@ class NativeForward:
             all_reduce=self._all_reduce, all_reduce_ctx=reduce_ctx, eps=spec.rms_norm_eps, scale=spec.head_dim ** -0.5,
             embed=_ptr(model.embed_tokens.weight), rope=_ptr(rope), final_norm=_ptr(final_norm),
             lm_head=_ptr(self._panels(model.lm_head)), layers=layers, lora_slots=lora_slots if lora_cols else 0,
-            lora_cols=lora_cols, attention_amx=int(attention_amx))
+            lora_cols=lora_cols, attention_amx=int(attention_amx), fused_row_work=int(fused_row_work))
         self._scratch = torch.empty(0, dtype=torch.float32)
 
     def _panels(self, linear: "llama.Linear") -> torch.Tensor:

@@ -49,7 +49,7 @@ int gemm_bf16_amx_argmax(const uint16_t *a, const uint16_t *panels, int64_t *out
 /* Attention over the paged KV cache (paged_attention.c). */
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, const int32_t *query_start, const int32_t *seq_lens,
-                    float *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                    float *out, uint16_t *out_bf16, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                     int block_size, int max_blocks, float scale, int is_bf16, int amx, int num_threads);
 /* 1 where paged_attention's amx path runs here: AMX built and granted, head_dim a multiple of 32,
  * groups of up to 16 query heads, block_size a multiple of 16. */
@@ -126,6 +126,9 @@ typedef struct {
     int lora_slots;          /* LoRA adapter slots (0: none loaded) */
     int lora_cols;           /* the widest linear's slots * width */
     int attention_amx;       /* paged_attention on AMX tiles (its amx argument) */
+    int fused_row_work;      /* row work between two kernels done by the first as it writes, rather than by a
+                              * pass of its own: SiLU(gate) * up by the gate_up GEMM (gemm_glu.c) where it
+                              * can, the attention's output rounded to bf16 by the attention; the same bits */
 } LlamaModel;
 
 /* One step's packed batch, as the runner lays it out for paged_attention. */

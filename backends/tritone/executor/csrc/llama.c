@@ -17,8 +17,9 @@
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
-#include "vexp.h"
+#include "activation.h"
 #include "bf16.h"
+#include "gemm.h"
 #include "kernels.h"
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -48,28 +49,6 @@ static float sum_squares(const float *x, int n) {
 static void rms_norm(const float *x, const float *weight, float *out, int n, float eps) {
     const float inv = 1.0f / sqrtf(sum_squares(x, n) / (float)n + eps);
     for (int i = 0; i < n; i++) out[i] = weight[i] * (x[i] * inv);
-}
-
-/* silu(g) * u for LANES entries at a time while they last. One body for both widths (P: the
- * intrinsics' prefix, EXP: vexp.h's exp of that width, which gives the other's value lane for
- * lane; the division and product are exact), so that the activations do not depend on which runs. */
-#define SILU_MUL_LANES(V, P, LANES, EXP)                                                              \
-    for (; j + LANES <= n; j += LANES) {                                                              \
-        const V g = P##_loadu_ps(gate_up + j);                                                        \
-        const V s = P##_div_ps(g, P##_add_ps(P##_set1_ps(1.0f), EXP(P##_sub_ps(P##_setzero_ps(), g)))); \
-        P##_storeu_ps(out + j, P##_mul_ps(s, P##_loadu_ps(gate_up + n + j)));                         \
-    }
-
-/* out[j] = silu(gate_up[j]) * gate_up[n + j] for j < n. */
-static void silu_mul(const float *gate_up, float *out, int n) {
-    int j = 0;
-#if defined(__AVX512F__)
-    SILU_MUL_LANES(__m512, _mm512, 16, exp16)
-#endif
-#if defined(__AVX2__) && defined(__FMA__)
-    SILU_MUL_LANES(__m256, _mm256, 8, exp8)
-#endif
-    for (; j < n; j++) out[j] = gate_up[j] / (1.0f + expf(-gate_up[j])) * gate_up[n + j];
 }
 
 /* x * cos + rotate_half(x) * sin over one head, from the position's row of the RoPE table. */
@@ -226,8 +205,17 @@ static void qkv_row(void *r_, int64_t t) {
 static void silu_mul_row(void *r_, int64_t t) {
     const Rows *r = r_;
     const int I = r->m->intermediate;
-    silu_mul(r->wide + (size_t)t * 2 * I, r->act + (size_t)t * I, I);
+    const float *gate = r->wide + (size_t)t * 2 * I;
+    silu_mul(gate, gate + I, r->act + (size_t)t * I, I);
     to_gemm_input_row(r, r->act, t, I);
+}
+
+/* The kernel of the model's fused gate_up GEMM and activation (gemm_glu), NULL where it does not
+ * apply: not asked for, or an intermediate size that is not whole panels. */
+static const Kernel *glu_kernel_of(const LlamaModel *m) {
+    if (!m->fused_row_work) return 0;
+    const Kernel *kn = m->bf16 ? gemm_bf16_kernel(m->bf16 == BF16_AMX, m->hidden) : &gemm_kernel_f32;
+    return gemm_glu_supported(kn, m->intermediate) ? kn : 0;
 }
 
 /* Floats per token of the scratch that holds a layer's QKV rows, or its gate_up rows and the
@@ -277,6 +265,9 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
     } else {
         pool_for(T, PARALLEL_ROWS, embed_row, &rows, num_threads);
     }
+    const Kernel *glu_kernel = glu_kernel_of(m);
+    /* the attention's output rounded by the attention itself, for the o GEMM */
+    uint16_t *attn_bf16 = m->fused_row_work && m->bf16 ? x_bf16 : 0;
     for (int i = 0; i < m->num_layers; i++) {
         const LlamaLayer *l = &m->layers[i];
         rows.l = l;
@@ -284,20 +275,33 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
         lora_add(m, b, &l->lora_qkv, normed_in, x_bf16, lora_scratch, wide, T, Hd, qkv_size, num_threads);
         pool_for(T, PARALLEL_ROWS, qkv_row, &rows, num_threads);
         const int rc = paged_attention(queries, l->k_cache, l->v_cache, b->block_tables, b->query_start, b->seq_lens,
-                                       attn, b->num_seqs, m->num_heads, m->num_kv_heads, m->head_dim, b->block_size,
+                                       attn, attn_bf16, b->num_seqs, m->num_heads, m->num_kv_heads, m->head_dim, b->block_size,
                                        b->max_blocks, m->scale, m->bf16 != 0, m->attention_amx, num_threads);
         if (rc) return rc;
-        linear(m, attn, x_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
+        if (attn_bf16)
+            linear_of(m, attn_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
+        else
+            linear(m, attn, x_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);
         lora_add(m, b, &l->lora_o, m->bf16 ? (const void *)x_bf16 : attn, x_bf16, lora_scratch, out, T, q_size, Hd,
                  num_threads);
         if (m->all_reduce) m->all_reduce(m->all_reduce_ctx, out, (int64_t)T * Hd);
         rows.norm = l->post_norm;
         pool_for(T, PARALLEL_ROWS, add_norm_row, &rows, num_threads);
-        linear_of(m, normed_in, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
-        lora_add(m, b, &l->lora_gate_up, normed_in, x_bf16, lora_scratch, wide, T, Hd, 2 * I, num_threads);
-        pool_for(T, PARALLEL_ROWS, silu_mul_row, &rows, num_threads);
-        linear_of(m, act_in, l->down, l->down_bias, out, T, I, Hd, num_threads);
-        lora_add(m, b, &l->lora_down, act_in, x_bf16, lora_scratch, out, T, I, Hd, num_threads);
+        /* the down GEMM's input: the activations, in bf16 where the model is */
+        const void *down_in = act_in;
+        if (glu_kernel && !(b->lora_mask && l->lora_gate_up.a)) {
+            /* bf16 activations into the gate_up rows' space, free here: x_bf16 is the GEMM's input */
+            if (m->bf16) down_in = wide;
+            if (gemm_glu(glu_kernel, normed_in, l->gate_up, l->gate_up_bias, (void *)down_in, m->bf16 != 0, T, Hd, I,
+                         num_threads))
+                return -1;
+        } else {
+            linear_of(m, normed_in, l->gate_up, l->gate_up_bias, wide, T, Hd, 2 * I, num_threads);
+            lora_add(m, b, &l->lora_gate_up, normed_in, x_bf16, lora_scratch, wide, T, Hd, 2 * I, num_threads);
+            pool_for(T, PARALLEL_ROWS, silu_mul_row, &rows, num_threads);
+        }
+        linear_of(m, down_in, l->down, l->down_bias, out, T, I, Hd, num_threads);
+        lora_add(m, b, &l->lora_down, down_in, x_bf16, lora_scratch, out, T, I, Hd, num_threads);
         if (m->all_reduce) m->all_reduce(m->all_reduce_ctx, out, (int64_t)T * Hd);
         if (i + 1 < m->num_layers) {
             rows.norm = m->layers[i + 1].input_norm;

@@ -33,6 +33,7 @@ typedef struct {
     float *out;
     int num_heads, num_kv_heads, head_dim, block_size, max_blocks, is_bf16;
     float scale;
+    uint16_t *out_bf16;
 } Args;
 
 /* A thread's scratch: each context row's key and value as a pointer into the cache (float32 or
@@ -525,6 +526,16 @@ ATTEND(attend_64_bf16, 64, 1)
 ATTEND(attend_128_bf16, 128, 1)
 ATTEND(attend_any_bf16, a->head_dim, 1)
 
+/* An item's rows of out, just written, into out_bf16 (its KV head's heads, or every head). */
+static void round_item(const Args *a, WorkItem w) {
+    const int width = a->num_heads * a->head_dim, group = a->num_heads / a->num_kv_heads * a->head_dim;
+    const int col = w.kv_head < 0 ? 0 : w.kv_head * group, n = w.kv_head < 0 ? width : group;
+    for (int r = 0; r < w.count; r++) {
+        const size_t row = (size_t)a->query_start[w.seq] + w.first + r;
+        f32_to_bf16_row(a->out + row * width + col, a->out_bf16 + row * width + col, n);
+    }
+}
+
 typedef struct {
     const Args *a;
     void (*attend)(const Args *, WorkItem, Scratch *);
@@ -564,12 +575,12 @@ static void attention_part(void *job_, int thread, int num_threads) {
             s.next_seq = next < job->num_items && job->items[next].kv_head < 0 ? job->items[next].seq : -1;
             const WorkItem w = job->items[i];
 #ifdef HAVE_DECODE_KERNEL
-            if (w.kv_head < 0 && !job->amx) {
+            if (w.kv_head < 0 && !job->amx)
                 job->decode(a, w.seq, &s);
-                continue;
-            }
+            else
 #endif
-            job->attend(a, w, &s);
+                job->attend(a, w, &s);
+            if (a->out_bf16) round_item(a, w);
         }
     }
     free(s.k_rows);
@@ -588,7 +599,8 @@ int paged_attention_amx_supported(int num_heads, int num_kv_heads, int head_dim,
 }
 
 /* q, out: [num_tokens, num_heads, head_dim] float32, the tokens of sequence s at rows
- * [query_start[s], query_start[s + 1]). k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
+ * [query_start[s], query_start[s + 1]); out_bf16, where set, the same rows rounded to bf16 as
+ * to_bf16_rows would (the next GEMM's input, rounded while each item's rows are in cache). k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
  * float32 (is_bf16 = 0) or bfloat16 (is_bf16 = 1), already holding the new tokens' keys and
  * values. block_tables: [num_seqs, max_blocks] int32. seq_lens: [num_seqs] int32, the context
  * length after this step's tokens, each >= its query length >= 1. Rows of out
@@ -598,13 +610,13 @@ int paged_attention_amx_supported(int num_heads, int num_kv_heads, int head_dim,
  * not a multiple of 8, -3 for amx where it is not supported. */
 int paged_attention(const float *q, const void *k_cache, const void *v_cache,
                     const int32_t *block_tables, const int32_t *query_start, const int32_t *seq_lens,
-                    float *out, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
+                    float *out, uint16_t *out_bf16, int num_seqs, int num_heads, int num_kv_heads, int head_dim,
                     int block_size, int max_blocks, float scale, int is_bf16, int amx, int num_threads) {
     if (head_dim > 256 || head_dim % 8) return -2;
     if (amx && !(is_bf16 && paged_attention_amx_supported(num_heads, num_kv_heads, head_dim, block_size)))
         return -3;
     const Args a = {q, k_cache, v_cache, block_tables, query_start, seq_lens, out, num_heads,
-                    num_kv_heads, head_dim, block_size, max_blocks, is_bf16, scale};
+                    num_kv_heads, head_dim, block_size, max_blocks, is_bf16, scale, out_bf16};
     void (*attend)(const Args *, WorkItem, Scratch *) =
         is_bf16 ? (head_dim == 64 ? attend_64_bf16 : head_dim == 128 ? attend_128_bf16 : attend_any_bf16)
                 : (head_dim == 64 ? attend_64 : head_dim == 128 ? attend_128 : attend_any);
