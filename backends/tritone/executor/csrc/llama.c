@@ -8,7 +8,11 @@
  * default model, 30 ms of 122 at batch 32. Here the layers run back to back on the same kernels
  * (gemm.c, paged_attention.c), with the small work between them done in place on one scratch
  * buffer: RMSNorm fused with the residual add, q/k norm and RoPE fused with the write of the new
- * keys and values into the paged cache, SiLU(gate) * up.
+ * keys and values into the paged cache, SiLU(gate) * up. Where they can, the kernels do some of it
+ * as they write their results (`fused_row_work`): the gate_up GEMM applies SiLU(gate) * up to each
+ * pair of its panels (gemm_glu.c) and the attention rounds its output for the o GEMM, which saves
+ * a pass over rows that have left the cache, and a wait of the threads at its end (a bf16 decode
+ * step of the default model at 128 rows, one process alternating the two: 3.4% faster).
  *
  * The arithmetic follows Hugging Face's modules, so that greedy answers match theirs in fp32:
  * RMSNorm scales by 1 / sqrt(mean(x^2) + eps) and then by its weight; RoPE is
@@ -275,8 +279,9 @@ static int forward(const LlamaModel *m, const LlamaBatch *b, float *scratch, flo
         lora_add(m, b, &l->lora_qkv, normed_in, x_bf16, lora_scratch, wide, T, Hd, qkv_size, num_threads);
         pool_for(T, PARALLEL_ROWS, qkv_row, &rows, num_threads);
         const int rc = paged_attention(queries, l->k_cache, l->v_cache, b->block_tables, b->query_start, b->seq_lens,
-                                       attn, attn_bf16, b->num_seqs, m->num_heads, m->num_kv_heads, m->head_dim, b->block_size,
-                                       b->max_blocks, m->scale, m->bf16 != 0, m->attention_amx, num_threads);
+                                       attn, attn_bf16, b->num_seqs, m->num_heads, m->num_kv_heads, m->head_dim,
+                                       b->block_size, b->max_blocks, m->scale, m->bf16 != 0, m->attention_amx,
+                                       num_threads);
         if (rc) return rc;
         if (attn_bf16)
             linear_of(m, attn_bf16, l->o, l->o_bias, out, T, q_size, Hd, num_threads);

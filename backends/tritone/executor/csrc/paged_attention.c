@@ -600,11 +600,12 @@ int paged_attention_amx_supported(int num_heads, int num_kv_heads, int head_dim,
 
 /* q, out: [num_tokens, num_heads, head_dim] float32, the tokens of sequence s at rows
  * [query_start[s], query_start[s + 1]); out_bf16, where set, the same rows rounded to bf16 as
- * to_bf16_rows would (the next GEMM's input, rounded while each item's rows are in cache). k_cache, v_cache: [num_slots, num_kv_heads, head_dim]
- * float32 (is_bf16 = 0) or bfloat16 (is_bf16 = 1), already holding the new tokens' keys and
- * values. block_tables: [num_seqs, max_blocks] int32. seq_lens: [num_seqs] int32, the context
- * length after this step's tokens, each >= its query length >= 1. Rows of out
- * that belong to no sequence (padding) are left as they are. amx: on AMX tiles (amx_token), which
+ * to_bf16_rows would (the next GEMM's input, rounded while each item's rows are in cache).
+ * k_cache, v_cache: [num_slots, num_kv_heads, head_dim] float32 (is_bf16 = 0) or bfloat16
+ * (is_bf16 = 1), already holding the new tokens' keys and values. block_tables: [num_seqs,
+ * max_blocks] int32. seq_lens: [num_seqs] int32, the context length after this step's tokens,
+ * each >= its query length >= 1. Rows of out (and out_bf16) that belong to no sequence (padding)
+ * are left as they are. amx: on AMX tiles (amx_token), which
  * paged_attention_amx_supported must allow. Work is shared among num_threads threads (the caller
  * passes torch's count). Returns 0, -1 when out of memory, -2 for a head_dim that is over 256 or
  * not a multiple of 8, -3 for amx where it is not supported. */
