@@ -13,18 +13,6 @@
 
 #if defined(__AVX512BF16__) && defined(__AMX_TILE__) && defined(__AMX_BF16__)
 #define HAVE_AMX 1
-
-/* Where gemm_glu runs: the kernel exists and the intermediate size is whole panels of it, so that
- * up panel p is gate_up's panel P + p. */
-int gemm_glu_supported(const Kernel *kn, int intermediate);
-
-/* out [M, intermediate] = SiLU(A @ gate) * (A @ up), from a gate_up linear's panels (the gate's
- * columns, then the up's, each intermediate wide; bias [2 * intermediate] or NULL), the same
- * values bit for bit as the GEMM into gate_up rows and silu_mul over them; float32 rows, or where
- * bf16_out, bf16 rows as to_bf16_rows writes them. Returns -1 where scratch cannot be allocated,
- * -2 where !gemm_glu_supported, else 0. */
-int gemm_glu(const Kernel *kn, const void *a, const void *panels, const float *bias, void *out, int bf16_out, int M,
-             int K, int intermediate, int num_threads);
 #endif
 
 /* One kernel's geometry for the shared driver. `rows` computes rows [0, M) of A times one panel
@@ -41,33 +29,9 @@ typedef struct {
 extern const Kernel gemm_kernel_f32; /* gemm_tiles.c */
 #if defined(__AVX512BF16__)
 extern const Kernel gemm_kernel_bf16; /* gemm_tiles.c */
-
-/* Where gemm_glu runs: the kernel exists and the intermediate size is whole panels of it, so that
- * up panel p is gate_up's panel P + p. */
-int gemm_glu_supported(const Kernel *kn, int intermediate);
-
-/* out [M, intermediate] = SiLU(A @ gate) * (A @ up), from a gate_up linear's panels (the gate's
- * columns, then the up's, each intermediate wide; bias [2 * intermediate] or NULL), the same
- * values bit for bit as the GEMM into gate_up rows and silu_mul over them; float32 rows, or where
- * bf16_out, bf16 rows as to_bf16_rows writes them. Returns -1 where scratch cannot be allocated,
- * -2 where !gemm_glu_supported, else 0. */
-int gemm_glu(const Kernel *kn, const void *a, const void *panels, const float *bias, void *out, int bf16_out, int M,
-             int K, int intermediate, int num_threads);
 #endif
 #if defined(HAVE_AMX)
 extern const Kernel gemm_kernel_amx; /* gemm_amx.c */
-
-/* Where gemm_glu runs: the kernel exists and the intermediate size is whole panels of it, so that
- * up panel p is gate_up's panel P + p. */
-int gemm_glu_supported(const Kernel *kn, int intermediate);
-
-/* out [M, intermediate] = SiLU(A @ gate) * (A @ up), from a gate_up linear's panels (the gate's
- * columns, then the up's, each intermediate wide; bias [2 * intermediate] or NULL), the same
- * values bit for bit as the GEMM into gate_up rows and silu_mul over them; float32 rows, or where
- * bf16_out, bf16 rows as to_bf16_rows writes them. Returns -1 where scratch cannot be allocated,
- * -2 where !gemm_glu_supported, else 0. */
-int gemm_glu(const Kernel *kn, const void *a, const void *panels, const float *bias, void *out, int bf16_out, int M,
-             int K, int intermediate, int num_threads);
 #endif
 
 /* The bf16 kernel for a reduction of K: AMX's where asked for, allowed and K is whole tiles of
@@ -101,4 +65,5 @@ int gemm_glu_supported(const Kernel *kn, int intermediate);
  * -2 where !gemm_glu_supported, else 0. */
 int gemm_glu(const Kernel *kn, const void *a, const void *panels, const float *bias, void *out, int bf16_out, int M,
              int K, int intermediate, int num_threads);
+
 #endif
