@@ -81,12 +81,6 @@ static int rows_per_block(int M, size_t row_bytes, int mr) {
     return mc > M ? M : mc;
 }
 
-/* The panel a thread computes after panel p of its run [.., end): the next in the run, else the
- * first of its next item's run, else P (none). */
-static inline int panel_after(const Plan *pl, int p, int end, int next_item) {
-    return p + 1 < end ? p + 1 : next_item < pl->items ? next_item % pl->chunks * pl->chunk : pl->P;
-}
-
 Plan gemm_plan(const Kernel *kn, int M, int K, int N) {
     Plan p = {kn, M, K, N};
     p.Kp = (K + kn->k_pad - 1) / kn->k_pad * kn->k_pad;

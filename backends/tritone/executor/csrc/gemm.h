@@ -48,6 +48,12 @@ typedef struct {
 
 Plan gemm_plan(const Kernel *kn, int M, int K, int N);
 
+/* The panel a thread computes after panel p of its run [.., end): the next in the run, else the
+ * first of its next item's run, else P (none). */
+static inline int panel_after(const Plan *pl, int p, int end, int next_item) {
+    return p + 1 < end ? p + 1 : next_item < pl->items ? next_item % pl->chunks * pl->chunk : pl->P;
+}
+
 /* Runs item `item` of `pl`: its panels' products into c (rows of ldc), each at its columns, or,
  * where per_panel is set, each at c's column 0 and handed to per_panel(ctx, ...) before the next
  * panel overwrites it. next_item is the thread's following item, for prefetching. */

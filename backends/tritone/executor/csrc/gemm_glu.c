@@ -57,13 +57,12 @@ static void glu_part(void *job_, int thread, int num_threads) {
         const char *a = (const char *)job->a + (size_t)m0 * pl->a_row_bytes;
         if (kn->begin) kn->begin();
         for (int p = chunk * pl->chunk; p < end; p++) {
-            /* the panel after p's up panel: the run's next gate panel, else the next item's first */
-            const int q = p + 1 < end ? p + 1 : next_item < pl->items ? next_item % pl->chunks * pl->chunk : -1;
+            const int q = panel_after(pl, p, end, next_item); /* the gate panel after p's up panel */
             const char *gate_panel = panels + (size_t)p * pl->panel_bytes;
             const char *up_panel = panels + (size_t)(P + p) * pl->panel_bytes;
             kn->rows(a, mb, pl->K, nr, gate_panel, gate, nr, job->bias ? job->bias + (size_t)p * nr : 0, up_panel);
             kn->rows(a, mb, pl->K, nr, up_panel, up, nr, job->bias ? job->bias + (size_t)(pl->N + p * nr) : 0,
-                     q < 0 ? 0 : panels + (size_t)q * pl->panel_bytes);
+                     q < P ? panels + (size_t)q * pl->panel_bytes : 0);
             activate(job, gate, up, m0, mb, p * nr);
         }
         item = next_item;
